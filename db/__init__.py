@@ -1,0 +1,1 @@
+"""uflash job ledger: SQLAlchemy models, sessions and the chunk queue."""

@@ -1,0 +1,152 @@
+"""The job ledger's tables (SQLAlchemy 2).
+
+A document is one dropped file, keyed by its content SHA-256. Its pages are split into chunks (the unit of
+work a worker claims). A run is one pass of a model/mode over chunks; pages are stored per run, so a
+re-run keeps the history. Lease and retry times are UNIX seconds (float) so that comparisons are plain
+arithmetic on every backend.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import DateTime
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {datetime: DateTime(timezone=True), dict[str, Any]: JSON, list[Any]: JSON}
+
+
+class DocStatus:
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class ChunkStatus:
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    SPLIT = "split"  # output hit the context limit; the remaining pages went to a new chunk
+
+
+class SchemaVersion(Base):
+    __tablename__ = "schema_version"
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    applied_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Document(Base):
+    __tablename__ = "documents"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    original_path: Mapped[str] = mapped_column(Text, index=True)
+    original_name: Mapped[str] = mapped_column(String(512))
+    size_bytes: Mapped[int] = mapped_column(Integer)
+    mtime_ns: Mapped[int] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(16))  # pdf | tiff | png | jpeg
+    page_count: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16), default=DocStatus.QUEUED, index=True)
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+    archived_path: Mapped[str | None] = mapped_column(Text, default=None)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+    completed_at: Mapped[datetime | None] = mapped_column(default=None)
+
+    chunks: Mapped[list[Chunk]] = relationship(back_populates="document", order_by="Chunk.first_page")
+    duplicates: Mapped[list[Duplicate]] = relationship(back_populates="document")
+
+
+class Duplicate(Base):
+    """A file whose content equals an existing document's: recorded, not processed again."""
+
+    __tablename__ = "duplicates"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    document_id: Mapped[int] = mapped_column(ForeignKey("documents.id"), index=True)
+    path: Mapped[str] = mapped_column(Text)
+    name: Mapped[str] = mapped_column(String(512))
+    size_bytes: Mapped[int] = mapped_column(Integer)
+    mtime_ns: Mapped[int] = mapped_column(Integer)
+    moved_to: Mapped[str | None] = mapped_column(Text, default=None)
+    seen_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    document: Mapped[Document] = relationship(back_populates="duplicates")
+
+
+class Rejected(Base):
+    """A dropped file that cannot be processed, with its reason and where it was moved."""
+
+    __tablename__ = "rejected_files"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    path: Mapped[str] = mapped_column(Text)
+    name: Mapped[str] = mapped_column(String(512))
+    sha256: Mapped[str | None] = mapped_column(String(64), default=None, index=True)
+    size_bytes: Mapped[int] = mapped_column(Integer, default=0)
+    reason: Mapped[str] = mapped_column(Text)
+    moved_to: Mapped[str | None] = mapped_column(Text, default=None)
+    seen_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Run(Base):
+    """One pass of a model in one mode; pages point at the run that produced them."""
+
+    __tablename__ = "runs"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    mode: Mapped[str] = mapped_column(String(16))
+    model: Mapped[str] = mapped_column(Text)
+    engine_version: Mapped[str] = mapped_column(String(32))
+    host: Mapped[str | None] = mapped_column(String(255), default=None)
+    settings: Mapped[dict[str, Any] | None] = mapped_column(default=None)
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class Chunk(Base):
+    __tablename__ = "chunks"
+    __table_args__ = (Index("ix_chunks_claim", "status", "next_attempt_at"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    document_id: Mapped[int] = mapped_column(ForeignKey("documents.id"), index=True)
+    first_page: Mapped[int] = mapped_column(Integer)  # 1-based, inclusive
+    last_page: Mapped[int] = mapped_column(Integer)  # 1-based, inclusive
+    status: Mapped[str] = mapped_column(String(16), default=ChunkStatus.QUEUED)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    lease_owner: Mapped[str | None] = mapped_column(String(255), default=None)
+    lease_expires_at: Mapped[float | None] = mapped_column(Float, default=None)
+    next_attempt_at: Mapped[float] = mapped_column(Float, default=0.0)
+    last_error: Mapped[str | None] = mapped_column(Text, default=None)
+    parent_id: Mapped[int | None] = mapped_column(ForeignKey("chunks.id"), default=None)
+    run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id"), default=None)
+    note: Mapped[str | None] = mapped_column(Text, default=None)  # e.g. page-count mismatch
+    stats: Mapped[dict[str, Any] | None] = mapped_column(default=None)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+    document: Mapped[Document] = relationship(back_populates="chunks")
+
+    @property
+    def pages(self) -> range:
+        return range(self.first_page, self.last_page + 1)
+
+
+class Page(Base):
+    __tablename__ = "pages"
+    __table_args__ = (UniqueConstraint("run_id", "document_id", "page_index"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    document_id: Mapped[int] = mapped_column(ForeignKey("documents.id"), index=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), index=True)
+    chunk_id: Mapped[int | None] = mapped_column(ForeignKey("chunks.id"), default=None)
+    page_index: Mapped[int] = mapped_column(Integer)  # 1-based
+    text: Mapped[str] = mapped_column(Text, default="")
+    boxes: Mapped[list[Any]] = mapped_column(default=list)
+    stats: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    text_layer: Mapped[str | None] = mapped_column(Text, default=None)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -1,0 +1,201 @@
+"""The chunk queue: atomic claims with leases, heartbeats, retries with backoff.
+
+Contract (what every function here keeps true):
+- A chunk is never deleted when claimed. ``status`` moves queued -> running -> done | failed | split, and
+  running -> queued on a retryable failure or a released lease.
+- A claim is one ``UPDATE ... WHERE id = (SELECT ... LIMIT 1) RETURNING`` statement inside a short
+  transaction (SQLite: ``BEGIN IMMEDIATE``, so two processes cannot pick the same row; PostgreSQL: the
+  sub-select uses ``FOR UPDATE SKIP LOCKED``). It takes a queued chunk whose ``next_attempt_at`` has come,
+  or a running chunk whose lease has expired (its owner died), and counts an attempt.
+- A lease is (owner, expiry). Only the owner may renew, complete or fail it, and only while it holds it:
+  a worker whose lease was taken over gets ``False`` back and must drop its result.
+- A chunk whose attempts reach ``max_attempts`` ends ``failed`` with its last error; earlier failures go
+  back to ``queued`` after ``backoff * 2**(attempts-1)`` seconds.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from loguru import logger
+from sqlalchemy import Connection, and_, case, func, literal, or_, select, update
+
+from db.models import Chunk, ChunkStatus, DocStatus, Document
+from db.session import Database
+
+T = Chunk.__table__
+D = Document.__table__
+
+
+@dataclass(frozen=True)
+class Claim:
+    chunk_id: int
+    document_id: int
+    first_page: int
+    last_page: int
+    attempts: int
+    owner: str
+    lease_expires_at: float
+
+
+def _fail_exhausted(conn: Connection, now: float, max_attempts: int) -> None:
+    """Running chunks whose lease expired and that have no attempt left end failed."""
+    rows = conn.execute(
+        update(T)
+        .where(T.c.status == ChunkStatus.RUNNING, T.c.lease_expires_at < now, T.c.attempts >= max_attempts)
+        .values(
+            status=ChunkStatus.FAILED,
+            last_error=literal("lease expired on every attempt (worker crashed or was killed); last owner ")
+            + func.coalesce(T.c.lease_owner, ""),
+            lease_owner=None,
+            lease_expires_at=None,
+        )
+        .returning(T.c.document_id)
+    ).all()
+    for (doc_id,) in rows:
+        refresh_document(conn, doc_id)
+
+
+def claim(db: Database, owner: str, lease_seconds: float, max_attempts: int, now: float | None = None) -> Claim | None:
+    """Atomically take the next runnable chunk for ``owner``, or return None when there is none."""
+    now = time.time() if now is None else now
+    runnable = or_(
+        and_(T.c.status == ChunkStatus.QUEUED, T.c.next_attempt_at <= now),
+        and_(T.c.status == ChunkStatus.RUNNING, T.c.lease_expires_at < now),
+    )
+    pick = select(T.c.id).where(runnable).order_by(T.c.document_id, T.c.first_page, T.c.id).limit(1)
+    if db.dialect == "postgresql":
+        pick = pick.with_for_update(skip_locked=True)
+    expires = now + lease_seconds
+    stmt = (
+        update(T)
+        .where(T.c.id == pick.scalar_subquery())
+        .values(
+            status=ChunkStatus.RUNNING,
+            lease_owner=owner,
+            lease_expires_at=expires,
+            attempts=T.c.attempts + 1,
+            last_error=case(
+                (T.c.status == ChunkStatus.RUNNING, literal("lease of ") + T.c.lease_owner + literal(" expired")),
+                else_=T.c.last_error,
+            ),
+        )
+        .returning(T.c.id, T.c.document_id, T.c.first_page, T.c.last_page, T.c.attempts)
+    )
+    with db.engine.begin() as conn:
+        _fail_exhausted(conn, now, max_attempts)
+        row = conn.execute(stmt).first()
+        if row is None:
+            return None
+        conn.execute(
+            update(D).where(D.c.id == row.document_id, D.c.status == DocStatus.QUEUED).values(status=DocStatus.RUNNING)
+        )
+    return Claim(row.id, row.document_id, row.first_page, row.last_page, row.attempts, owner, expires)
+
+
+def _held(claim_or_id: Claim | int, owner: str | None = None):
+    cid = claim_or_id.chunk_id if isinstance(claim_or_id, Claim) else claim_or_id
+    own = claim_or_id.owner if isinstance(claim_or_id, Claim) else owner
+    return and_(T.c.id == cid, T.c.lease_owner == own, T.c.status == ChunkStatus.RUNNING)
+
+
+def heartbeat(db: Database, c: Claim, lease_seconds: float) -> bool:
+    """Extend the lease; False means it was lost (expired and taken by another worker)."""
+    with db.engine.begin() as conn:
+        res = conn.execute(update(T).where(_held(c)).values(lease_expires_at=time.time() + lease_seconds))
+        return res.rowcount == 1
+
+
+def complete(conn: Connection, c: Claim, status: str = ChunkStatus.DONE, note: str | None = None,
+             stats: dict | None = None, run_id: int | None = None) -> bool:
+    """Mark the chunk finished inside the caller's transaction (so results and completion commit together).
+    Returns False when the lease was lost: the caller must roll back its results."""
+    values = dict(status=status, lease_owner=None, lease_expires_at=None, last_error=None)
+    if note is not None:
+        values["note"] = note
+    if stats is not None:
+        values["stats"] = stats
+    if run_id is not None:
+        values["run_id"] = run_id
+    res = conn.execute(update(T).where(_held(c)).values(**values))
+    return res.rowcount == 1
+
+
+def fail(db: Database, c: Claim, error: str, max_attempts: int, backoff_seconds: float,
+         permanent: bool = False) -> str:
+    """Record a failure: retry later with backoff, or end failed after max attempts (or when permanent).
+    Returns the chunk's new status ('' when the lease was already lost)."""
+    now = time.time()
+    final = permanent or c.attempts >= max_attempts
+    values = dict(lease_owner=None, lease_expires_at=None, last_error=error[:4000])
+    if final:
+        values["status"] = ChunkStatus.FAILED
+    else:
+        values["status"] = ChunkStatus.QUEUED
+        values["next_attempt_at"] = now + backoff_seconds * (2 ** (c.attempts - 1))
+    with db.engine.begin() as conn:
+        res = conn.execute(update(T).where(_held(c)).values(**values))
+        if res.rowcount != 1:
+            return ""
+        refresh_document(conn, c.document_id)
+    return values["status"]
+
+
+def release(db: Database, c: Claim) -> bool:
+    """Give a chunk back untouched (graceful shutdown): the attempt is not counted."""
+    with db.engine.begin() as conn:
+        res = conn.execute(
+            update(T).where(_held(c)).values(
+                status=ChunkStatus.QUEUED, lease_owner=None, lease_expires_at=None, attempts=T.c.attempts - 1
+            )
+        )
+        return res.rowcount == 1
+
+
+def refresh_document(conn: Connection, doc_id: int) -> str:
+    """Derive a document's status from its chunks. Returns 'ready' when every chunk is done or split
+    (outputs may be written), otherwise the status set. A document with a failed chunk and nothing
+    pending is failed, with the chunks' reasons."""
+    rows = conn.execute(
+        select(T.c.status, T.c.first_page, T.c.last_page, T.c.last_error).where(T.c.document_id == doc_id)
+    ).all()
+    pending = [r for r in rows if r.status in (ChunkStatus.QUEUED, ChunkStatus.RUNNING)]
+    failed = [r for r in rows if r.status == ChunkStatus.FAILED]
+    if pending:
+        return DocStatus.RUNNING
+    if failed:
+        reason = "; ".join(f"pages {r.first_page}-{r.last_page}: {r.last_error}" for r in failed)
+        conn.execute(update(D).where(D.c.id == doc_id).values(status=DocStatus.FAILED, error=reason[:4000]))
+        return DocStatus.FAILED
+    return "ready"
+
+
+class Heartbeat:
+    """Renews a lease in a background thread while work runs: ``with Heartbeat(...) as hb: ...``.
+    ``hb.lost`` is set when a renewal finds the lease gone."""
+
+    def __init__(self, db: Database, c: Claim, lease_seconds: float, every_seconds: float):
+        self.db, self.claim, self.lease, self.every = db, c, lease_seconds, every_seconds
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"heartbeat-{c.chunk_id}", daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every):
+            try:
+                if not heartbeat(self.db, self.claim, self.lease):
+                    logger.warning("lease on chunk {} was lost", self.claim.chunk_id)
+                    self.lost.set()
+                    return
+            except Exception as e:  # a DB hiccup must not kill the worker; the next beat retries
+                logger.warning("heartbeat for chunk {} failed: {}", self.claim.chunk_id, e)
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -1,0 +1,99 @@
+"""Database engine and schema.
+
+SQLite (the default) runs in WAL mode with a busy timeout, and every transaction starts with
+``BEGIN IMMEDIATE``: a writer takes the write lock up front instead of failing half-way with
+"database is locked" when two processes race. Transactions are kept short (a claim is one statement).
+
+Schema versioning is a documented version table (``schema_version``): ``SCHEMA_VERSION`` is the version
+this code writes; ``MIGRATIONS[v]`` upgrades a database at version ``v - 1`` to ``v``. ``open_db`` creates
+a new database at the current version, migrates an older one in order, and refuses a newer one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from sqlalchemy import Connection, Engine, create_engine, event, func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from db.models import Base, SchemaVersion
+
+SCHEMA_VERSION = 1
+
+# version -> function(connection) that upgrades from version-1. Add an entry with every schema change.
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
+
+
+class SchemaTooNew(RuntimeError):
+    pass
+
+
+def make_engine(url: str, busy_timeout_ms: int = 30_000) -> Engine:
+    if url.startswith("sqlite"):
+        path = url.split("sqlite:///", 1)[-1]
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"timeout": busy_timeout_ms / 1000})
+
+        @event.listens_for(engine, "connect")
+        def _on_connect(dbapi_conn, _record):  # noqa: ANN001
+            dbapi_conn.isolation_level = None  # we issue BEGIN ourselves
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _on_begin(conn):  # noqa: ANN001
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return engine
+    return create_engine(url, pool_pre_ping=True)
+
+
+def _schema_version(conn: Connection) -> int | None:
+    if not conn.dialect.has_table(conn, SchemaVersion.__tablename__):
+        return None
+    return conn.execute(select(func.max(SchemaVersion.version))).scalar()
+
+
+def init_schema(engine: Engine) -> int:
+    """Create or migrate the schema; returns the version now in force."""
+    with engine.begin() as conn:
+        current = _schema_version(conn)
+        if current is None:
+            Base.metadata.create_all(conn)
+            conn.execute(SchemaVersion.__table__.insert().values(version=SCHEMA_VERSION))
+            return SCHEMA_VERSION
+        if current > SCHEMA_VERSION:
+            raise SchemaTooNew(
+                f"database schema version {current} is newer than this uflash ({SCHEMA_VERSION}); upgrade uflash"
+            )
+        for v in range(current + 1, SCHEMA_VERSION + 1):
+            MIGRATIONS[v](conn)
+            conn.execute(SchemaVersion.__table__.insert().values(version=v))
+        return SCHEMA_VERSION
+
+
+class Database:
+    """An engine plus a session factory; the one handle the rest of uflash passes around."""
+
+    def __init__(self, url: str, busy_timeout_ms: int = 30_000, create: bool = True):
+        self.url = url
+        self.engine = make_engine(url, busy_timeout_ms)
+        if create:
+            init_schema(self.engine)
+        self.sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    @property
+    def dialect(self) -> str:
+        return self.engine.dialect.name
+
+    def session(self) -> Session:
+        return self.sessions()
+
+    def dispose(self) -> None:
+        self.engine.dispose()

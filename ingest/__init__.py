@@ -1,0 +1,1 @@
+"""uflash ingest side: configuration, watch-folder intake, worker, outputs and the CLI."""

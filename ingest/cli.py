@@ -1,0 +1,103 @@
+"""The ``uflash`` command. Typed errors become exit codes here, and only here.
+
+Exit codes: 0 ok, 1 unexpected error, 2 bad configuration or usage, 3 model not available,
+4 input rejected (``uflash run`` on a file that cannot be processed), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from loguru import logger
+
+from ingest.config import Settings, load_settings
+from ingest.errors import ConfigError, UflashError
+from ingest.logs import setup_logging
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="uflash", description="Watch-folder batch OCR with Unlimited-OCR.")
+    p.add_argument("--config", metavar="PATH", help="config file (default: ./config.toml or $UFLASH_CONFIG)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging on the console")
+    p.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only on the console")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    w = sub.add_parser("watch", help="watch the inbox and process what arrives (runs until stopped)")
+    w.add_argument("--intake-only", action="store_true", help="record files but do not run the GPU worker")
+
+    s = sub.add_parser("status", help="documents and chunks by state, failures and their reasons")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.add_argument("--limit", type=int, default=20, help="how many failures to list")
+    return p
+
+
+def _open_db(settings: Settings):  # noqa: ANN202
+    from db.session import Database
+
+    return Database(settings.database_url, settings.database.busy_timeout_ms)
+
+
+def _stop_event() -> threading.Event:
+    """An event set by SIGTERM/SIGINT (and SIGBREAK on Windows), so loops finish their file and exit."""
+    stop = threading.Event()
+
+    def handler(signum, _frame):  # noqa: ANN001
+        logger.info("signal {} received: finishing the current step, then stopping", signum)
+        stop.set()
+
+    for name in ("SIGTERM", "SIGINT", "SIGBREAK"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), handler)
+    return stop
+
+
+def cmd_watch(settings: Settings, args: argparse.Namespace) -> int:
+    from ingest.watch import InboxWatcher
+
+    settings.check_folders()
+    settings.ensure_folders()
+    db = _open_db(settings)
+    stop = _stop_event()
+    InboxWatcher(settings, db).run(stop)
+    logger.info("stopped")
+    return 0
+
+
+def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
+    from ingest.status import collect_status, format_status
+
+    st = collect_status(_open_db(settings), limit=args.limit)
+    print(json.dumps(st) if args.json else format_status(st))
+    return 0
+
+
+COMMANDS = {"watch": cmd_watch, "status": cmd_status}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    setup_logging(None, args.verbose, args.quiet)
+    try:
+        settings = load_settings(args.config)
+        if args.command != "status":
+            setup_logging(settings.logs, args.verbose, args.quiet)
+        return COMMANDS[args.command](settings, args)
+    except UflashError as e:
+        kind = "config error" if isinstance(e, ConfigError) else "error"
+        print(f"uflash: {kind}: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("uflash: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        logger.opt(exception=True).error("unexpected error: {}", e)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""Settings: ``config.toml`` (or ``--config PATH``), overridden by ``UFLASH_*`` environment variables.
+
+Environment variables use ``__`` between section and key: ``UFLASH_WATCH__SETTLE_SECONDS=5``.
+Relative paths (folders, a relative SQLite file) are resolved against the config file's folder,
+so a scheduled task that starts in another working directory finds the same files.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from ingest.errors import ConfigError
+
+CONFIG_ENV = "UFLASH_CONFIG"
+DEFAULT_CONFIG_NAME = "config.toml"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Folders(_Section):
+    inbox: Path = Path("var/inbox")
+    outbox: Path = Path("var/outbox")
+    archive: Path = Path("var/archive")
+    failed: Path = Path("var/failed")
+    logs: Path = Path("var/logs")
+
+
+class Database(_Section):
+    url: str = "sqlite:///var/uflash.db"
+    busy_timeout_ms: int = Field(default=30_000, ge=0)
+
+
+class ModelSettings(_Section):
+    path: str = "models/demo"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+
+class EngineSettings(_Section):
+    mode: Literal["official", "plain", "lossless", "fast"] = "official"
+    max_pages_per_chunk: int = Field(default=16, ge=1)
+    context_limit: int = Field(default=32_768, ge=512)
+    context_margin: float = Field(default=0.1, ge=0.0, lt=1.0)
+    default_tokens_per_page: int = Field(default=1_200, ge=1)
+    max_new_tokens: int | None = Field(default=None, ge=1)
+
+
+class Watch(_Section):
+    settle_seconds: float = Field(default=5.0, ge=0.0)
+    rescan_seconds: float = Field(default=60.0, gt=0.0)
+    polling: bool = False
+    patterns: list[str] = ["*.pdf", "*.tif", "*.tiff", "*.png", "*.jpg", "*.jpeg"]
+    max_page_pixels: int = Field(default=150_000_000, ge=1)
+
+
+class Worker(_Section):
+    lease_seconds: float = Field(default=300.0, gt=0.0)
+    heartbeat_seconds: float = Field(default=30.0, gt=0.0)
+    max_attempts: int = Field(default=3, ge=1)
+    backoff_seconds: float = Field(default=30.0, ge=0.0)
+    poll_seconds: float = Field(default=2.0, gt=0.0)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="UFLASH_", env_nested_delimiter="__", extra="forbid", validate_default=True
+    )
+
+    folders: Folders = Folders()
+    database: Database = Database()
+    model: ModelSettings = ModelSettings()
+    engine: EngineSettings = EngineSettings()
+    watch: Watch = Watch()
+    worker: Worker = Worker()
+    config_dir: Path = Field(default=Path("."), exclude=True)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Environment beats the file (the file arrives as init kwargs).
+        return env_settings, init_settings
+
+    # -- derived values ---------------------------------------------------------------------
+    def resolve(self, p: Path | str) -> Path:
+        p = Path(p).expanduser()
+        return p if p.is_absolute() else (self.config_dir / p).resolve()
+
+    @property
+    def inbox(self) -> Path:
+        return self.resolve(self.folders.inbox)
+
+    @property
+    def outbox(self) -> Path:
+        return self.resolve(self.folders.outbox)
+
+    @property
+    def archive(self) -> Path:
+        return self.resolve(self.folders.archive)
+
+    @property
+    def failed(self) -> Path:
+        return self.resolve(self.folders.failed)
+
+    @property
+    def logs(self) -> Path:
+        return self.resolve(self.folders.logs)
+
+    @property
+    def database_url(self) -> str:
+        """The DB URL with a relative SQLite file made absolute against the config folder."""
+        url = self.database.url
+        prefix = "sqlite:///"
+        if url.startswith(prefix) and not url.startswith(prefix + "/") and ":memory:" not in url:
+            return prefix + str(self.resolve(url[len(prefix):]))
+        return url
+
+    def check_folders(self) -> None:
+        """Refuse output folders inside the inbox: the watcher would take its own outputs again."""
+        inbox = self.inbox
+        for name in ("outbox", "archive", "failed"):
+            other = getattr(self, name)
+            if other == inbox or inbox in other.parents:
+                raise ConfigError(
+                    f"folders.{name} ({other}) is inside folders.inbox ({inbox}); "
+                    "it would be watched and processed again: move it outside the inbox"
+                )
+            if name != "outbox" and (inbox in other.parents or other in inbox.parents):
+                raise ConfigError(f"folders.{name} ({other}) and folders.inbox ({inbox}) overlap")
+
+    def ensure_folders(self) -> None:
+        for p in (self.inbox, self.outbox, self.archive, self.failed, self.logs):
+            p.mkdir(parents=True, exist_ok=True)
+
+
+def _find_config(path: Path | str | None) -> Path | None:
+    if path is not None:
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        return p.resolve()
+    env = os.environ.get(CONFIG_ENV)
+    if env:
+        return _find_config(env)
+    p = Path.cwd() / DEFAULT_CONFIG_NAME
+    return p.resolve() if p.is_file() else None
+
+
+def _one_line(err: ValidationError) -> str:
+    first = err.errors()[0]
+    key = ".".join(str(x) for x in first["loc"]) or "(root)"
+    if first["type"] == "extra_forbidden":
+        return f"unknown config key '{key}'"
+    given = first.get("input")
+    shown = f" (got {given!r})" if given is not None and not isinstance(given, dict) else ""
+    more = f" (+{err.error_count() - 1} more)" if err.error_count() > 1 else ""
+    return f"bad config value for '{key}': {first['msg']}{shown}{more}"
+
+
+def load_settings(path: Path | str | None = None, **overrides: Any) -> Settings:
+    """Load settings; every problem becomes a one-line ConfigError naming the key."""
+    cfg = _find_config(path)
+    data: dict[str, Any] = {}
+    if cfg is not None:
+        try:
+            data = tomllib.loads(cfg.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {cfg} is not valid TOML: {e}") from None
+    if "config_dir" in data:
+        raise ConfigError("unknown config key 'config_dir'")
+    data.update(overrides)
+    data["config_dir"] = cfg.parent if cfg else Path.cwd()
+    try:
+        return Settings(**data)
+    except ValidationError as e:
+        raise ConfigError(_one_line(e)) from None

@@ -1,0 +1,80 @@
+"""File-system helpers: hashing, moving without overwriting, atomic writes, completeness checks."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+# Names that copy tools and browsers use while a file is still arriving, and our own side files.
+TEMP_SUFFIXES = (".part", ".partial", ".crdownload", ".download", ".tmp", ".temp", ".error.txt", ".!ut")
+
+
+def is_ignored_name(name: str) -> bool:
+    low = name.lower()
+    return low.startswith((".", "~$", "~")) or low.endswith(TEMP_SUFFIXES)
+
+
+def sha256_file(path: Path, block: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def can_open_exclusively(path: Path) -> bool:
+    """True when no other program holds the file open for writing (as far as the OS lets us tell).
+
+    Windows refuses a read-write open of a file that a copier still has open; on POSIX an exclusive
+    advisory lock catches writers that lock, and the settle time catches the rest."""
+    try:
+        if sys.platform == "win32":
+            fd = os.open(path, os.O_RDWR | getattr(os, "O_BINARY", 0))
+            os.close(fd)
+            return True
+        import fcntl
+
+        with open(path, "rb") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        return True
+    except OSError:
+        return False
+
+
+def unique_destination(folder: Path, name: str) -> Path:
+    """``folder/name``, or ``folder/stem (2).ext`` ... when taken: never overwrite a file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    dest = folder / name
+    stem, suffix = Path(name).stem, Path(name).suffix
+    n = 2
+    while dest.exists() or dest.with_name(dest.name + ".error.txt").exists():
+        dest = folder / f"{stem} ({n}){suffix}"
+        n += 1
+    return dest
+
+
+def move_file(src: Path, folder: Path) -> Path:
+    dest = unique_destination(folder, src.name)
+    shutil.move(str(src), str(dest))
+    return dest
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Write to a temp file in the same folder, fsync, then rename over the target."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mode = "wb" if isinstance(data, bytes) else "w"
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode, **({} if isinstance(data, bytes) else {"encoding": "utf-8", "newline": "\n"})) as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

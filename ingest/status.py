@@ -1,0 +1,65 @@
+"""What the ledger holds: counts by state and the failures with their reasons."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import func, select
+
+from db.models import Chunk, Document, Duplicate, Rejected
+from db.session import Database
+
+
+def collect_status(db: Database, limit: int = 20) -> dict[str, Any]:
+    with db.session() as s:
+        docs = dict(s.execute(select(Document.status, func.count()).group_by(Document.status)).all())
+        chunks = dict(s.execute(select(Chunk.status, func.count()).group_by(Chunk.status)).all())
+        pages = s.scalar(select(func.coalesce(func.sum(Document.page_count), 0)))
+        n_dup = s.scalar(select(func.count()).select_from(Duplicate))
+        n_rej = s.scalar(select(func.count()).select_from(Rejected))
+        failed_docs = s.execute(
+            select(Document.id, Document.original_name, Document.error)
+            .where(Document.status == "failed").order_by(Document.id.desc()).limit(limit)
+        ).all()
+        rejected = s.execute(
+            select(Rejected.name, Rejected.reason, Rejected.moved_to).order_by(Rejected.id.desc()).limit(limit)
+        ).all()
+        retrying = s.execute(
+            select(Chunk.id, Chunk.document_id, Chunk.first_page, Chunk.last_page, Chunk.attempts, Chunk.last_error)
+            .where(Chunk.status == "queued", Chunk.attempts > 0).order_by(Chunk.id).limit(limit)
+        ).all()
+    return {
+        "documents": {"total": sum(docs.values()), **docs},
+        "chunks": {"total": sum(chunks.values()), **chunks},
+        "pages": int(pages or 0),
+        "duplicates": n_dup,
+        "rejected": n_rej,
+        "failed_documents": [{"id": i, "name": n, "error": e} for i, n, e in failed_docs],
+        "rejected_files": [{"name": n, "reason": r, "moved_to": m} for n, r, m in rejected],
+        "retrying_chunks": [
+            {"id": i, "document_id": d, "pages": f"{a}-{b}", "attempts": t, "last_error": e}
+            for i, d, a, b, t, e in retrying
+        ],
+    }
+
+
+def format_status(st: dict[str, Any]) -> str:
+    def counts(d: dict[str, int]) -> str:
+        return ", ".join(f"{k} {v}" for k, v in d.items() if k != "total") or "none"
+
+    lines = [
+        f"documents: {st['documents']['total']} ({counts(st['documents'])}), {st['pages']} pages",
+        f"chunks:    {st['chunks']['total']} ({counts(st['chunks'])})",
+        f"duplicates: {st['duplicates']}   rejected files: {st['rejected']}",
+    ]
+    if st["failed_documents"]:
+        lines.append("failed documents:")
+        lines += [f"  #{d['id']} {d['name']}: {d['error']}" for d in st["failed_documents"]]
+    if st["retrying_chunks"]:
+        lines.append("chunks waiting for a retry:")
+        lines += [f"  chunk {c['id']} (doc {c['document_id']}, pages {c['pages']}, attempt {c['attempts']}): "
+                  f"{c['last_error']}" for c in st["retrying_chunks"]]
+    if st["rejected_files"]:
+        lines.append("rejected files (moved to the failed folder):")
+        lines += [f"  {r['name']}: {r['reason']}" for r in st["rejected_files"]]
+    return "\n".join(lines)

@@ -1,0 +1,172 @@
+"""Watch the inbox: file events (watchdog) plus a periodic full rescan, then intake of settled files.
+
+A file is taken only when its size and mtime have not changed for ``settle_seconds`` and it can be
+opened exclusively. Every failure is contained to its file: the watcher logs it and goes on.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loguru import logger
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+from watchdog.observers.polling import PollingObserver
+
+from db.session import Database
+from ingest.config import Settings
+from ingest.files import can_open_exclusively, is_ignored_name
+from ingest.intake import IntakeResult, intake_file, reject
+
+
+@dataclass
+class _Candidate:
+    size: int
+    mtime_ns: int
+    stable_since: float
+    errors: int = 0
+
+
+class _Events(FileSystemEventHandler):
+    def __init__(self, q: queue.SimpleQueue[Path]):
+        self.q = q
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        if event.is_directory:
+            return
+        for p in (getattr(event, "dest_path", None), event.src_path):
+            if p:
+                self.q.put(Path(p))
+
+
+@dataclass
+class InboxWatcher:
+    settings: Settings
+    db: Database
+    on_result: object = None  # optional callable(Path, IntakeResult), for the CLI's counters
+    _pending: dict[Path, _Candidate] = field(default_factory=dict)
+    _events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    _last_rescan: float = 0.0
+
+    MAX_ERRORS = 5
+
+    @property
+    def inbox(self) -> Path:
+        return self.settings.inbox
+
+    def wanted(self, path: Path) -> bool:
+        """Files the watcher considers: anything directly in the inbox except temp/side files.
+        Names outside ``patterns`` are still taken, and rejected with a reason (nothing vanishes silently)."""
+        return path.parent == self.inbox and not is_ignored_name(path.name)
+
+    def matches_patterns(self, path: Path) -> bool:
+        return any(fnmatch.fnmatch(path.name.lower(), pat.lower()) for pat in self.settings.watch.patterns)
+
+    def rescan(self) -> None:
+        self._last_rescan = time.monotonic()
+        try:
+            for p in self.inbox.iterdir():
+                if p.is_file():
+                    self._note(p)
+        except OSError as e:
+            logger.error("cannot list inbox {}: {}", self.inbox, e)
+
+    def _note(self, path: Path) -> None:
+        if not self.wanted(path) or path in self._pending:
+            return
+        try:
+            st = path.stat()
+        except OSError:
+            return
+        self._pending[path] = _Candidate(st.st_size, st.st_mtime_ns, time.monotonic())
+
+    def _drain_events(self) -> None:
+        while True:
+            try:
+                p = self._events.get_nowait()
+            except queue.Empty:
+                return
+            self._note(p.absolute())
+
+    def settled(self) -> list[Path]:
+        """Pending files whose size and mtime held still for the settle time (and that can be opened)."""
+        now, ready = time.monotonic(), []
+        for path, c in list(self._pending.items()):
+            try:
+                st = path.stat()
+            except OSError:  # gone (moved away, or renamed: the rename's event brings the new name)
+                del self._pending[path]
+                continue
+            if (st.st_size, st.st_mtime_ns) != (c.size, c.mtime_ns):
+                c.size, c.mtime_ns, c.stable_since = st.st_size, st.st_mtime_ns, now
+                continue
+            if now - c.stable_since >= self.settings.watch.settle_seconds and can_open_exclusively(path):
+                ready.append(path)
+        return sorted(ready, key=lambda p: (self._pending[p].stable_since, p.name))
+
+    def take(self, path: Path) -> IntakeResult | None:
+        """Intake one settled file; any unexpected error is contained and retried a few times."""
+        c = self._pending[path]
+        try:
+            if not self.matches_patterns(path):
+                res = reject(self.db, self.settings, path,
+                             f"file name does not match watch.patterns {self.settings.watch.patterns}")
+            else:
+                res = intake_file(self.db, self.settings, path)
+        except Exception as e:  # never let one file stop the watcher
+            c.errors += 1
+            c.stable_since = time.monotonic()
+            logger.opt(exception=c.errors == 1).error("intake of {} failed ({}x): {}", path.name, c.errors, e)
+            if c.errors >= self.MAX_ERRORS:
+                try:
+                    res = reject(self.db, self.settings, path, f"intake failed {c.errors} times: {e}")
+                except Exception as e2:
+                    logger.error("cannot reject {} either: {}; will retry at the next rescan", path.name, e2)
+                    del self._pending[path]
+                    return None
+            else:
+                return None
+        del self._pending[path]
+        if callable(self.on_result):
+            self.on_result(path, res)
+        return res
+
+    def poll(self) -> list[IntakeResult]:
+        """One tick: events, rescan when due, intake of every settled file."""
+        self._drain_events()
+        if time.monotonic() - self._last_rescan >= self.settings.watch.rescan_seconds:
+            self.rescan()
+        return [r for p in self.settled() if (r := self.take(p)) is not None]
+
+    def start_observer(self):  # noqa: ANN201
+        obs = PollingObserver(timeout=1.0) if self.settings.watch.polling else Observer()
+        obs.schedule(_Events(self._events), str(self.inbox), recursive=False)
+        obs.daemon = True
+        obs.start()
+        return obs
+
+    def run(self, stop: threading.Event, tick: float = 0.5) -> None:
+        """Watch until ``stop`` is set. The observer failing to start falls back to rescans alone."""
+        self.inbox.mkdir(parents=True, exist_ok=True)
+        try:
+            obs = self.start_observer()
+        except Exception as e:
+            logger.warning("file events unavailable ({}); relying on rescans every {}s", e,
+                           self.settings.watch.rescan_seconds)
+            obs = None
+        self.rescan()
+        logger.info("watching {} (settle {}s, rescan every {}s, {})", self.inbox, self.settings.watch.settle_seconds,
+                    self.settings.watch.rescan_seconds, "polling" if self.settings.watch.polling else "events")
+        try:
+            while not stop.is_set():
+                self.poll()
+                stop.wait(tick)
+        finally:
+            if obs is not None:
+                obs.stop()
+                obs.join(timeout=5)
