@@ -114,8 +114,9 @@ class InboxWatcher:
         c = self._pending[path]
         try:
             if not self.matches_patterns(path):
+                pats = ", ".join(self.settings.watch.patterns)
                 res = reject(self.db, self.settings, path,
-                             f"file name does not match watch.patterns {self.settings.watch.patterns}")
+                             f"unsupported file type '{path.suffix or '(no extension)'}': watch.patterns takes {pats}")
             else:
                 res = intake_file(self.db, self.settings, path)
         except Exception as e:  # never let one file stop the watcher

@@ -1,0 +1,42 @@
+"""A bare queue worker for the multi-process tests: claims chunks from a real SQLite file.
+
+usage: python -m tests.claimer DB_URL OWNER OUT_FILE {drain|hold} LEASE_SECONDS [IDLE_SECONDS]
+- drain: claim, note the chunk id in OUT_FILE, complete; stop after IDLE_SECONDS with nothing to claim.
+- hold: claim one chunk, note it, renew its lease with a heartbeat, and wait forever (to be killed).
+"""
+
+import sys
+import time
+
+from db.queue import Heartbeat, claim, complete
+from db.session import Database
+
+
+def main() -> None:
+    url, owner, out, mode, lease = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[5])
+    idle = float(sys.argv[6]) if len(sys.argv) > 6 else 2.0
+    db = Database(url)
+    with open(out, "a", buffering=1) as f:
+        f.write(f"ready {time.time()}\n")
+        last = time.monotonic()
+        while True:
+            c = claim(db, owner, lease_seconds=lease, max_attempts=5)
+            if c is None:
+                if mode == "drain" and time.monotonic() - last > idle:
+                    return
+                time.sleep(0.05)
+                continue
+            last = time.monotonic()
+            f.write(f"claimed {c.chunk_id} {c.attempts} {time.time()}\n")
+            if mode == "hold":
+                with Heartbeat(db, c, lease, lease / 4):
+                    while True:
+                        time.sleep(1)
+            time.sleep(0.002)  # "work"
+            with db.engine.begin() as conn:
+                assert complete(conn, c)
+            f.write(f"done {c.chunk_id}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Shared test helpers: real config files, real SQLite files, real PDFs and images made with pymupdf/PIL."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pymupdf
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLES = ROOT.parent / "shared" / "samples" / "real"
+
+
+def write_config(folder: Path, **sections: dict) -> Path:
+    """A config.toml in ``folder`` with var/ folders inside it, plus the given section overrides."""
+    base = {
+        "folders": {"inbox": "inbox", "outbox": "outbox", "archive": "archive", "failed": "failed", "logs": "logs"},
+        "database": {"url": "sqlite:///uflash.db"},
+        "watch": {"settle_seconds": 1.0, "rescan_seconds": 2.0},
+        "worker": {"lease_seconds": 5.0, "heartbeat_seconds": 1.0, "backoff_seconds": 0.0, "poll_seconds": 0.2},
+    }
+    for k, v in sections.items():
+        base.setdefault(k, {}).update(v)
+    lines = []
+    for sec, kv in base.items():
+        lines.append(f"[{sec}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in kv.items()]
+    cfg = folder / "config.toml"
+    cfg.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return cfg
+
+
+@pytest.fixture
+def config_path(tmp_path: Path) -> Path:
+    return write_config(tmp_path)
+
+
+@pytest.fixture
+def settings(config_path: Path):
+    from ingest.config import load_settings
+
+    s = load_settings(config_path)
+    s.ensure_folders()
+    return s
+
+
+@pytest.fixture
+def db(settings):
+    from db.session import Database
+
+    d = Database(settings.database_url)
+    yield d
+    d.dispose()
+
+
+def make_pdf(path: Path, pages: list[str] | int = 1, size: tuple[float, float] = (595, 842)) -> Path:
+    """A real PDF with a text layer: one page per string (or n numbered pages)."""
+    texts = [f"Page {i + 1} of {path.stem}" for i in range(pages)] if isinstance(pages, int) else pages
+    doc = pymupdf.open()
+    for t in texts:
+        page = doc.new_page(width=size[0], height=size[1])
+        page.insert_textbox(pymupdf.Rect(50, 50, size[0] - 50, size[1] - 50), t, fontsize=14)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc.save(path)
+    doc.close()
+    return path
+
+
+def uflash(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the real ``uflash`` command in a subprocess."""
+    e = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "ingest.cli", *args], cwd=cwd or ROOT, env=e,
+                          capture_output=True, text=True, timeout=timeout)

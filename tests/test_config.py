@@ -1,0 +1,72 @@
+import json
+
+import pytest
+
+from ingest.config import load_settings
+from ingest.errors import ConfigError
+from tests.conftest import uflash, write_config
+
+
+def test_defaults_and_relative_paths(tmp_path):
+    cfg = write_config(tmp_path)
+    s = load_settings(cfg)
+    assert s.inbox == (tmp_path / "inbox").resolve()
+    assert s.database_url == f"sqlite:///{(tmp_path / 'uflash.db').resolve()}"
+    assert s.worker.max_attempts == 3
+
+
+def test_environment_overrides_file(tmp_path, monkeypatch):
+    cfg = write_config(tmp_path, watch={"settle_seconds": 1.0})
+    monkeypatch.setenv("UFLASH_WATCH__SETTLE_SECONDS", "7.5")
+    monkeypatch.setenv("UFLASH_WORKER__MAX_ATTEMPTS", "9")
+    s = load_settings(cfg)
+    assert s.watch.settle_seconds == 7.5
+    assert s.worker.max_attempts == 9
+    assert s.watch.rescan_seconds == 2.0  # the rest of the section still comes from the file
+
+
+@pytest.mark.parametrize(
+    "section, expected",
+    [
+        ({"watch": {"settle_seconds": "abc"}}, "watch.settle_seconds"),
+        ({"worker": {"max_attempts": 2.5}}, "worker.max_attempts"),
+        ({"watch": {"settle_secs": 3}}, "unknown config key 'watch.settle_secs'"),
+        ({"bogus": {"x": 1}}, "unknown config key 'bogus'"),
+    ],
+)
+def test_bad_config_is_one_line_naming_the_key_exit_2(tmp_path, section, expected):
+    cfg = write_config(tmp_path, **section)
+    r = uflash("--config", str(cfg), "status")
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert expected in lines[0]
+
+
+def test_bad_environment_value_names_the_key(tmp_path):
+    cfg = write_config(tmp_path)
+    r = uflash("--config", str(cfg), "status", env={"UFLASH_WORKER__LEASE_SECONDS": "soon"})
+    assert r.returncode == 2
+    assert "worker.lease_seconds" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_missing_config_file(tmp_path):
+    r = uflash("--config", str(tmp_path / "nope.toml"), "status")
+    assert r.returncode == 2 and "config file not found" in r.stderr
+
+
+def test_output_folder_inside_inbox_refused(tmp_path):
+    s = load_settings(write_config(tmp_path, folders={"outbox": "inbox/out"}))
+    with pytest.raises(ConfigError, match="inside folders.inbox"):
+        s.check_folders()
+    cfg = write_config(tmp_path, folders={"failed": "inbox/failed"})
+    r = uflash("--config", str(cfg), "watch")
+    assert r.returncode == 2 and "folders.failed" in r.stderr
+
+
+def test_status_json_on_empty_ledger(tmp_path):
+    cfg = write_config(tmp_path)
+    r = uflash("--config", str(cfg), "status", "--json")
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)
+    assert st["documents"]["total"] == 0 and st["chunks"]["total"] == 0

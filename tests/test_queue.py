@@ -1,0 +1,128 @@
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from sqlalchemy import select
+
+from db.models import Chunk, ChunkStatus, Document
+from db.queue import claim, complete, fail, heartbeat, release
+from tests.conftest import ROOT
+
+
+def add_document(db, n_chunks: int, name: str = "doc.pdf") -> int:
+    with db.session() as s, s.begin():
+        d = Document(sha256=name.ljust(64, "0")[:64], original_path=f"/in/{name}", original_name=name, size_bytes=1,
+                     mtime_ns=0, kind="pdf", page_count=n_chunks)
+        s.add(d)
+        s.flush()
+        s.add_all(Chunk(document_id=d.id, first_page=i, last_page=i) for i in range(1, n_chunks + 1))
+        return d.id
+
+
+def start_claimer(db, owner, out, mode, lease, idle=2.0):
+    return subprocess.Popen([sys.executable, "-m", "tests.claimer", db.url, owner, str(out), mode, str(lease), str(idle)],
+                            cwd=ROOT)
+
+
+def read_log(path):
+    if not path.exists():
+        return []
+    return [line.split() for line in path.read_text().splitlines()]
+
+
+def wait_for(pred, timeout=30.0, every=0.05):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(every)
+    return False
+
+
+def test_two_processes_never_claim_the_same_chunk(db, tmp_path):
+    add_document(db, 100)
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    procs = [start_claimer(db, f"worker-{i}", logs[i], "drain", 30) for i in range(2)]
+    for p in procs:
+        assert p.wait(timeout=120) == 0
+    claimed = [[int(r[1]) for r in read_log(lg) if r[0] == "claimed"] for lg in logs]
+    assert len(claimed[0]) + len(claimed[1]) == 100
+    assert not set(claimed[0]) & set(claimed[1])
+    assert claimed[0] and claimed[1], "both processes should have taken work"
+    with db.session() as s:
+        chunks = s.scalars(select(Chunk)).all()
+    assert all(c.status == ChunkStatus.DONE and c.attempts == 1 and c.lease_owner is None for c in chunks)
+
+
+def test_killed_lease_holder_chunk_is_taken_over(db, tmp_path):
+    add_document(db, 1)
+    lease = 1.5
+    a_log, b_log = tmp_path / "a.log", tmp_path / "b.log"
+    a = start_claimer(db, "holder", a_log, "hold", lease)
+    assert wait_for(lambda: any(r[0] == "claimed" for r in read_log(a_log)))
+    b = start_claimer(db, "rescuer", b_log, "drain", lease, idle=30)
+    try:
+        # While the holder lives its heartbeat keeps the lease: the rescuer gets nothing.
+        time.sleep(3 * lease)
+        assert not any(r[0] == "claimed" for r in read_log(b_log))
+        os.kill(a.pid, signal.SIGKILL)
+        killed_at = time.time()
+        a.wait(timeout=10)
+        assert wait_for(lambda: any(r[0] == "done" for r in read_log(b_log)), timeout=20)
+        rec = next(r for r in read_log(b_log) if r[0] == "claimed")
+        assert int(rec[2]) == 2  # second attempt
+        assert float(rec[3]) >= killed_at  # not before the holder died
+    finally:
+        b.kill()
+        b.wait()
+    with db.session() as s:
+        c = s.scalars(select(Chunk)).one()
+    assert c.status == ChunkStatus.DONE and c.attempts == 2
+
+
+def test_retry_with_backoff_then_failed_with_reason(db):
+    doc = add_document(db, 1)
+    c1 = claim(db, "w", lease_seconds=60, max_attempts=2)
+    assert fail(db, c1, "CUDA out of memory", max_attempts=2, backoff_seconds=100) == ChunkStatus.QUEUED
+    assert claim(db, "w", 60, 2) is None  # backing off
+    later = time.time() + 101
+    c2 = claim(db, "w", 60, 2, now=later)
+    assert c2 is not None and c2.attempts == 2
+    assert fail(db, c2, "CUDA out of memory again", max_attempts=2, backoff_seconds=100) == ChunkStatus.FAILED
+    assert claim(db, "w", 60, 2, now=later + 10_000) is None
+    with db.session() as s:
+        chunk = s.scalars(select(Chunk)).one()
+        d = s.get(Document, doc)
+    assert chunk.status == ChunkStatus.FAILED and "again" in chunk.last_error
+    assert d.status == "failed" and "CUDA out of memory again" in d.error
+
+
+def test_expired_lease_on_last_attempt_ends_failed(db):
+    add_document(db, 1)
+    c = claim(db, "ghost", lease_seconds=1, max_attempts=1)
+    assert c is not None
+    assert claim(db, "other", 1, 1, now=time.time() + 5) is None
+    with db.session() as s:
+        chunk = s.scalars(select(Chunk)).one()
+    assert chunk.status == ChunkStatus.FAILED and "lease expired" in chunk.last_error
+
+
+def test_lost_lease_cannot_complete_or_renew(db):
+    add_document(db, 1)
+    a = claim(db, "a", lease_seconds=1, max_attempts=5)
+    b = claim(db, "b", lease_seconds=60, max_attempts=5, now=time.time() + 2)
+    assert b is not None and b.chunk_id == a.chunk_id
+    assert heartbeat(db, a, 60) is False
+    with db.engine.begin() as conn:
+        assert complete(conn, a) is False
+        assert complete(conn, b) is True
+
+
+def test_release_gives_chunk_back_without_counting(db):
+    add_document(db, 1)
+    c = claim(db, "a", 60, 3)
+    assert release(db, c)
+    c2 = claim(db, "b", 60, 3)
+    assert c2.chunk_id == c.chunk_id and c2.attempts == 1
