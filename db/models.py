@@ -58,6 +58,7 @@ class Document(Base):
     status: Mapped[str] = mapped_column(String(16), default=DocStatus.QUEUED, index=True)
     error: Mapped[str | None] = mapped_column(Text, default=None)
     archived_path: Mapped[str | None] = mapped_column(Text, default=None)
+    output_dir: Mapped[str | None] = mapped_column(Text, default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
     completed_at: Mapped[datetime | None] = mapped_column(default=None)
@@ -127,6 +128,7 @@ class Chunk(Base):
     run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id"), default=None)
     note: Mapped[str | None] = mapped_column(Text, default=None)  # e.g. page-count mismatch
     stats: Mapped[dict[str, Any] | None] = mapped_column(default=None)
+    output_ids: Mapped[list[Any] | None] = mapped_column(default=None)  # the decode's token ids (for replay)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 

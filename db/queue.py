@@ -109,7 +109,7 @@ def heartbeat(db: Database, c: Claim, lease_seconds: float) -> bool:
 
 
 def complete(conn: Connection, c: Claim, status: str = ChunkStatus.DONE, note: str | None = None,
-             stats: dict | None = None, run_id: int | None = None) -> bool:
+             stats: dict | None = None, run_id: int | None = None, output_ids: list[int] | None = None) -> bool:
     """Mark the chunk finished inside the caller's transaction (so results and completion commit together).
     Returns False when the lease was lost: the caller must roll back its results."""
     values = dict(status=status, lease_owner=None, lease_expires_at=None, last_error=None)
@@ -119,6 +119,8 @@ def complete(conn: Connection, c: Claim, status: str = ChunkStatus.DONE, note: s
         values["stats"] = stats
     if run_id is not None:
         values["run_id"] = run_id
+    if output_ids is not None:
+        values["output_ids"] = output_ids
     res = conn.execute(update(T).where(_held(c)).values(**values))
     return res.rowcount == 1
 
@@ -143,14 +145,14 @@ def fail(db: Database, c: Claim, error: str, max_attempts: int, backoff_seconds:
     return values["status"]
 
 
-def release(db: Database, c: Claim) -> bool:
-    """Give a chunk back untouched (graceful shutdown): the attempt is not counted."""
+def release(db: Database, c: Claim, reason: str | None = None) -> bool:
+    """Give a chunk back untouched (shutdown, or a worker that cannot run at all): the attempt is not
+    counted. ``reason``, when given, is kept as the chunk's last error so that ``uflash status`` shows it."""
+    values = dict(status=ChunkStatus.QUEUED, lease_owner=None, lease_expires_at=None, attempts=T.c.attempts - 1)
+    if reason is not None:
+        values["last_error"] = reason[:4000]
     with db.engine.begin() as conn:
-        res = conn.execute(
-            update(T).where(_held(c)).values(
-                status=ChunkStatus.QUEUED, lease_owner=None, lease_expires_at=None, attempts=T.c.attempts - 1
-            )
-        )
+        res = conn.execute(update(T).where(_held(c)).values(**values))
         return res.rowcount == 1
 
 

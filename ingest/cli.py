@@ -30,6 +30,11 @@ def _parser() -> argparse.ArgumentParser:
     w = sub.add_parser("watch", help="watch the inbox and process what arrives (runs until stopped)")
     w.add_argument("--intake-only", action="store_true", help="record files but do not run the GPU worker")
 
+    r = sub.add_parser("run", help="process these files (or the inbox) now, and exit when they are done")
+    r.add_argument("paths", nargs="*", metavar="PATH", help="files or folders (default: everything in the inbox)")
+    r.add_argument("--mode", choices=["official"], help="decode mode (default: engine.mode in the config)")
+    r.add_argument("--out", metavar="DIR", help="write outputs here instead of folders.outbox")
+
     s = sub.add_parser("status", help="documents and chunks by state, failures and their reasons")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--limit", type=int, default=20, help="how many failures to list")
@@ -56,16 +61,54 @@ def _stop_event() -> threading.Event:
     return stop
 
 
+def _make_worker(settings: Settings, db, **kw):  # noqa: ANN001, ANN202
+    from engine.chunk_decode import load_decoder
+    from ingest.worker import Worker
+
+    m = settings.model
+    return Worker(settings, db, lambda: load_decoder(settings.model_path, m.device, m.dtype, settings.engine.mode), **kw)
+
+
 def cmd_watch(settings: Settings, args: argparse.Namespace) -> int:
     from ingest.watch import InboxWatcher
+    from ingest.worker import ModelUnavailable, wait_backoff
 
     settings.check_folders()
     settings.ensure_folders()
     db = _open_db(settings)
     stop = _stop_event()
-    InboxWatcher(settings, db).run(stop)
+    watcher = InboxWatcher(settings, db)
+    if args.intake_only:
+        watcher.run(stop)
+        logger.info("stopped")
+        return 0
+    intake = threading.Thread(target=watcher.run, args=(stop,), name="intake", daemon=True)
+    intake.start()
+    worker = _make_worker(settings, db)
+    try:
+        while not stop.is_set():
+            try:
+                worker.serve(stop)
+            except ModelUnavailable as e:
+                logger.error("worker cannot start: {}; intake goes on, retrying in 60s", e)
+                wait_backoff(60, stop)
+    finally:
+        stop.set()
+        intake.join(timeout=30)
     logger.info("stopped")
     return 0
+
+
+def cmd_run(settings: Settings, args: argparse.Namespace) -> int:
+    from ingest.batch import run_batch
+
+    if args.out:
+        settings.folders.outbox = Path(args.out).expanduser().resolve()
+    if args.mode:
+        settings.engine.mode = args.mode
+    settings.check_folders()
+    settings.ensure_folders()
+    return run_batch(settings, _open_db(settings), [Path(p) for p in args.paths], _make_worker, _stop_event())
 
 
 def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
@@ -76,7 +119,7 @@ def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"watch": cmd_watch, "status": cmd_status}
+COMMANDS = {"watch": cmd_watch, "run": cmd_run, "status": cmd_status}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,7 +50,7 @@ class EngineSettings(_Section):
     context_limit: int = Field(default=32_768, ge=512)
     context_margin: float = Field(default=0.1, ge=0.0, lt=1.0)
     default_tokens_per_page: int = Field(default=1_200, ge=1)
-    max_new_tokens: int | None = Field(default=None, ge=1)
+    max_tokens_per_page: int | None = Field(default=None, ge=1)  # cap on output; None: up to the context
 
 
 class Watch(_Section):
@@ -127,6 +127,15 @@ class Settings(BaseSettings):
         if url.startswith(prefix) and not url.startswith(prefix + "/") and ":memory:" not in url:
             return prefix + str(self.resolve(url[len(prefix):]))
         return url
+
+    @property
+    def model_path(self) -> str:
+        """model.path as a folder resolved against the config folder, or as given (a hub id)."""
+        raw = self.model.path
+        local = self.resolve(raw)
+        first = raw.split("/", 1)[0]
+        looks_like_hub_id = raw.count("/") == 1 and not raw.startswith((".", "~", "/")) and "\\" not in raw
+        return raw if looks_like_hub_id and not self.resolve(first).exists() else str(local)
 
     def check_folders(self) -> None:
         """Refuse output folders inside the inbox: the watcher would take its own outputs again."""

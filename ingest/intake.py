@@ -46,10 +46,10 @@ def expected_tokens(probed: Probed, default_per_page: int) -> list[int]:
     ]
 
 
-def is_known(db: Database, path: Path, size: int, mtime_ns: int) -> bool:
-    """This very file (path, size, mtime) is already a queued or running document still in the inbox."""
+def known_document(db: Database, path: Path, size: int, mtime_ns: int) -> int | None:
+    """The id of the document this very file (path, size, mtime) already is, while it waits in place."""
     with db.session() as s:
-        hit = s.scalar(
+        return s.scalar(
             select(Document.id).where(
                 Document.original_path == str(path),
                 Document.size_bytes == size,
@@ -57,7 +57,6 @@ def is_known(db: Database, path: Path, size: int, mtime_ns: int) -> bool:
                 Document.archived_path.is_(None),
             )
         )
-        return hit is not None
 
 
 def reject(db: Database, settings: Settings, path: Path, reason: str, sha: str | None = None) -> IntakeResult:
@@ -85,8 +84,8 @@ def intake_file(db: Database, settings: Settings, path: Path) -> IntakeResult:
     """Record a complete file. Bad input is rejected with its reason; the caller never sees InputRejected."""
     path = Path(path).absolute()
     st = path.stat()
-    if is_known(db, path, st.st_size, st.st_mtime_ns):
-        return IntakeResult("known")
+    if (doc_id := known_document(db, path, st.st_size, st.st_mtime_ns)) is not None:
+        return IntakeResult("known", document_id=doc_id)
     sha = sha256_file(path)
     with db.session() as s:
         existing = s.scalar(select(Document).where(Document.sha256 == sha))

@@ -26,7 +26,7 @@ def collect_status(db: Database, limit: int = 20) -> dict[str, Any]:
         ).all()
         retrying = s.execute(
             select(Chunk.id, Chunk.document_id, Chunk.first_page, Chunk.last_page, Chunk.attempts, Chunk.last_error)
-            .where(Chunk.status == "queued", Chunk.attempts > 0).order_by(Chunk.id).limit(limit)
+            .where(Chunk.status == "queued", Chunk.last_error.is_not(None)).order_by(Chunk.id).limit(limit)
         ).all()
     return {
         "documents": {"total": sum(docs.values()), **docs},
@@ -56,7 +56,7 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append("failed documents:")
         lines += [f"  #{d['id']} {d['name']}: {d['error']}" for d in st["failed_documents"]]
     if st["retrying_chunks"]:
-        lines.append("chunks waiting for a retry:")
+        lines.append("chunks waiting, with their last error:")
         lines += [f"  chunk {c['id']} (doc {c['document_id']}, pages {c['pages']}, attempt {c['attempts']}): "
                   f"{c['last_error']}" for c in st["retrying_chunks"]]
     if st["rejected_files"]:

@@ -75,3 +75,23 @@ def uflash(*args: str, cwd: Path | None = None, env: dict | None = None, timeout
     e = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "ingest.cli", *args], cwd=cwd or ROOT, env=e,
                           capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random-weight Unlimited-OCR saved with its processor (R-SWA window 8), built once per session."""
+    from engine.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-shared") / "model", sliding_window=8, seed=0)
+
+
+def worker_config(folder: Path, model_dir: Path, **sections: dict) -> Path:
+    """A config for worker tests: the tiny model on the CPU, small chunks, short outputs."""
+    base = {"model": {"path": str(model_dir), "device": "cpu", "dtype": "float32"},
+            "engine": {"max_pages_per_chunk": 4, "max_tokens_per_page": 30}}
+    for k, v in sections.items():
+        base.setdefault(k, {}).update(v)
+    for sec in base.values():  # None means "leave the key out" (TOML has no null)
+        for key in [k for k, v in sec.items() if v is None]:
+            del sec[key]
+    return write_config(folder, **base)

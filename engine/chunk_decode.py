@@ -1,0 +1,163 @@
+"""One chunk (several pages) -> one decode -> per-page results.
+
+The decoder runs one pass over the chunk's pages and hands back the pages it can vouch for:
+- every page, when the model finished (EOS) with one page of output per input page;
+- with a different page count, the pages it produced, in order, with a note on each (never silently
+  shifted), and the missing ones asked to be re-queued;
+- when the output reached the context limit, only the pages completed before the last page separator,
+  and the rest asked to be re-queued (the worker halves a chunk that completed none).
+A single page always yields exactly one page; cut at the limit, its finish reason says so.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from engine.official import DecodeResult, official_generate, parse_elements, split_pages
+from engine.model import PAGE_SEPARATOR, LoadedModel
+
+MIN_NEW_TOKENS = 16
+
+
+@dataclass
+class PageOutput:
+    text: str
+    boxes: list[dict[str, Any]]
+    stats: dict[str, Any]
+
+
+@dataclass
+class ChunkOutput:
+    pages: list[PageOutput]  # the pages kept, in order, for input pages 1..len(pages) of the chunk
+    n_input_pages: int
+    finish_reason: str  # eos | length | context_limit | no_room
+    requeue: bool = False  # pages after len(pages) must be decoded again (in a new chunk)
+    note: str | None = None
+    output_ids: list[int] = field(default_factory=list)
+    chunk_stats: dict[str, Any] = field(default_factory=dict)
+
+
+class ChunkDecoder(Protocol):
+    mode: str
+    model_name: str
+    device: str
+
+    def decode(self, images: list, context_limit: int, max_new_tokens: int | None = None) -> ChunkOutput: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+    def free_memory(self) -> None: ...
+
+
+def prompt_length(loaded: LoadedModel, n_pages: int) -> int:
+    """Tokens in the prefix: BOS + one page of image tokens per page + the prompt text."""
+    from engine.official import PROMPTS
+
+    text = PROMPTS["single" if n_pages == 1 else "multi"]
+    n_text = len(loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
+    return 1 + n_pages * loaded.tokens_per_page + n_text
+
+
+def assemble(res: DecodeResult, n_in: int, hit_context: bool) -> ChunkOutput:
+    """Turn one decode of ``n_in`` pages into kept pages, following the module's rules."""
+    finished = res.finish_reason == "eos"
+    tokens = len(res.output_ids)
+    if n_in == 1:
+        text = res.text.replace(PAGE_SEPARATOR, "\n").strip() if PAGE_SEPARATOR in res.text else res.text.strip()
+        reason = "eos" if finished else ("context_limit" if hit_context else "length")
+        texts, kept_reasons, requeue, note = [text], [reason], False, None
+    else:
+        pieces = split_pages(res.text, PAGE_SEPARATOR)
+        if not finished:
+            complete = pieces[:-1]  # the last piece was cut by the limit
+            texts = complete[:n_in]
+            requeue = len(texts) < n_in
+            note = None
+            if not requeue and len(complete) > n_in:
+                note = f"model produced {len(complete)} pages for {n_in} input pages; extra text kept on page {n_in}"
+                texts[-1] = "\n\n".join(complete[n_in - 1 :])
+        elif len(pieces) >= n_in:
+            texts, requeue, note = pieces[:n_in], False, None
+            if len(pieces) > n_in:
+                note = f"model produced {len(pieces)} pages for {n_in} input pages; extra text kept on page {n_in}"
+                texts[-1] = "\n\n".join(pieces[n_in - 1 :])
+        else:
+            texts = pieces if any(pieces) else []
+            requeue = True
+            note = f"model produced {len(texts)} pages for {n_in} input pages; pages {len(texts) + 1}-{n_in} re-queued"
+        kept_reasons = ["page_separator"] * len(texts)
+        if texts and finished and not requeue:
+            kept_reasons[-1] = "eos"
+    n_chars = sum(len(t) for t in texts) or 1
+    pages = [
+        PageOutput(
+            text=t,
+            boxes=parse_elements(t),
+            stats={
+                "finish_reason": kept_reasons[i],
+                "tokens": round(tokens * len(t) / n_chars) if len(texts) > 1 else tokens,
+                "seconds": round(res.seconds * (len(t) / n_chars if len(texts) > 1 else 1.0), 4),
+                "chunk_pages": n_in,
+                **({"note": note} if note else {}),
+            },
+        )
+        for i, t in enumerate(texts)
+    ]
+    finish = "eos" if finished else ("context_limit" if hit_context else "length")
+    return ChunkOutput(pages=pages, n_input_pages=n_in, finish_reason=finish, requeue=requeue, note=note,
+                       output_ids=list(res.output_ids), chunk_stats={
+                           "prompt_tokens": len(res.prompt_ids), "output_tokens": tokens,
+                           "seconds": round(res.seconds, 4),
+                           "tokens_per_second": round(tokens / res.seconds, 2) if res.seconds > 0 else 0.0,
+                           "finish_reason": finish, "prompt_kind": res.prompt_kind, "ngram_window": res.ngram_window,
+                           "pages_in": n_in, "pages_out": len(pages)})
+
+
+class OfficialDecoder:
+    """transformers ``generate()``: the reference every faster engine must match token for token."""
+
+    mode = "official"
+
+    def __init__(self, loaded: LoadedModel):
+        self.loaded = loaded
+        self.model_name = loaded.name
+        self.device = str(loaded.device)
+
+    def describe(self) -> dict[str, Any]:
+        lm = self.loaded
+        return {"path": lm.path, "device": self.device, "dtype": str(lm.dtype).removeprefix("torch."),
+                "tokens_per_page": lm.tokens_per_page, "sliding_window": lm.sliding_window}
+
+    def free_memory(self) -> None:
+        import gc
+
+        import torch
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def decode(self, images: list, context_limit: int, max_new_tokens: int | None = None) -> ChunkOutput:
+        n = len(images)
+        room = context_limit - prompt_length(self.loaded, n)
+        if room < MIN_NEW_TOKENS:
+            if n == 1:
+                raise ValueError(f"one page's prompt leaves {room} tokens under the context limit {context_limit}")
+            return ChunkOutput(pages=[], n_input_pages=n, finish_reason="no_room", requeue=True,
+                               note=f"{n} pages leave no room under the context limit {context_limit}")
+        limit = room if max_new_tokens is None else min(room, max_new_tokens)
+        t0 = time.perf_counter()
+        res = official_generate(self.loaded, images, "single" if n == 1 else "multi", limit)
+        out = assemble(res, n, hit_context=(res.finish_reason != "eos" and limit == room))
+        out.chunk_stats["wall_seconds"] = round(time.perf_counter() - t0, 4)
+        return out
+
+
+def load_decoder(path: str, device: str = "auto", dtype: str = "auto", mode: str = "official") -> ChunkDecoder:
+    from engine.model import load_model
+
+    if mode != "official":
+        raise ValueError(f"engine mode {mode!r} is not available yet; use 'official'")
+    return OfficialDecoder(load_model(path, device, dtype))

@@ -1,0 +1,50 @@
+"""Per-document outputs in the outbox: ``document.md`` (pages in order, with page markers) and
+``document.json``. Both are written atomically (temp file + rename): a reader never sees half a file."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from ingest.files import write_atomic
+
+_DET = re.compile(r"<\|det\|>.*?<\|/det\|>", re.S)
+_SPECIAL = re.compile(r"<\|/?(?:ref|grounding)\|>")
+
+
+def page_markdown(text: str) -> str:
+    """The readable text of a page: grounding markup (labels and boxes) removed, table cells kept."""
+    t = _SPECIAL.sub("", _DET.sub("", text))
+    t = t.replace("<td>", " | ").replace("</td>", "")
+    return re.sub(r"\n{3,}", "\n\n", t).strip()
+
+
+def output_folder(outbox: Path, name: str, sha256: str) -> Path:
+    """``<outbox>/<stem>``, or ``<stem>-<sha8>`` when that folder belongs to another document."""
+    stem = Path(name).stem or "document"
+    folder = outbox / stem
+    meta = folder / "document.json"
+    if meta.exists():
+        try:
+            other = json.loads(meta.read_text(encoding="utf-8"))["document"]["sha256"]
+        except (ValueError, KeyError, OSError):
+            other = None
+        if other != sha256:
+            folder = outbox / f"{stem}-{sha256[:8]}"
+    return folder
+
+
+def write_document_outputs(folder: Path, document: dict[str, Any], run: dict[str, Any],
+                           pages: list[dict[str, Any]]) -> tuple[Path, Path]:
+    md_lines = [f"# {document['name']}", ""]
+    for p in pages:
+        md_lines += [f"<!-- page {p['index']} -->", "", page_markdown(p["text"]), ""]
+        if p.get("note"):
+            md_lines += [f"> note: {p['note']}", ""]
+    md = folder / "document.md"
+    js = folder / "document.json"
+    write_atomic(md, "\n".join(md_lines).rstrip() + "\n")
+    write_atomic(js, json.dumps({"document": document, "run": run, "pages": pages}, ensure_ascii=False, indent=1))
+    return md, js

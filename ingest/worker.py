@@ -1,0 +1,272 @@
+"""The GPU worker: claim a chunk, render its pages, decode them in one pass, store the pages, and once a
+document's chunks are all done write its outputs and archive the original.
+
+Results and the chunk's completion commit in one transaction, and only while the lease is still held: a
+worker killed mid-chunk leaves nothing behind, and the chunk is redone by whoever takes the lease next.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+from sqlalchemy import func, select, update
+
+import engine
+from db.models import Chunk, ChunkStatus, DocStatus, Document, Page, Run
+from db.queue import Claim, Heartbeat, claim, complete, fail, refresh_document, release
+from db.session import Database
+from engine.chunk_decode import ChunkDecoder, ChunkOutput
+from engine.model import ModelLoadError, ModelNotFound
+from ingest.config import Settings
+from ingest.errors import UflashError
+from ingest.files import move_file
+from ingest.outputs import output_folder, write_document_outputs
+from ingest.render import render_pages
+
+
+class _LeaseLost(Exception):
+    pass
+
+
+class ModelUnavailable(UflashError):
+    """The model cannot be loaded: no chunk can run until the configuration or the files are fixed."""
+
+    exit_code = 3
+
+
+def _is_oom(e: BaseException) -> bool:
+    name = type(e).__name__
+    return name == "OutOfMemoryError" or (isinstance(e, RuntimeError) and "out of memory" in str(e).lower())
+
+
+@dataclass
+class Worker:
+    settings: Settings
+    db: Database
+    make_decoder: Callable[[], ChunkDecoder]
+    owner: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    on_pages: Callable[[int], None] | None = None  # progress callback: pages finished
+    _decoder: ChunkDecoder | None = None
+    _run_id: int | None = None
+
+    # -- model and run ---------------------------------------------------------------------------
+    def decoder(self) -> ChunkDecoder:
+        if self._decoder is None:
+            try:
+                self._decoder = self.make_decoder()
+            except (ModelNotFound, ModelLoadError) as e:
+                raise ModelUnavailable(str(e)) from None
+        return self._decoder
+
+    def run_id(self) -> int:
+        """The open run for this model and mode (reused across restarts, so a document keeps one run)."""
+        if self._run_id is None:
+            d = self.decoder()
+            with self.db.session() as s, s.begin():
+                run = s.scalar(select(Run).where(Run.mode == d.mode, Run.model == d.model_name,
+                                                 Run.engine_version == engine.__version__, Run.finished_at.is_(None))
+                               .order_by(Run.id.desc()))
+                if run is None:
+                    run = Run(mode=d.mode, model=d.model_name, engine_version=engine.__version__,
+                              host=socket.gethostname(), settings=d.describe())
+                    s.add(run)
+                    s.flush()
+                self._run_id = run.id
+        return self._run_id
+
+    # -- the loop --------------------------------------------------------------------------------
+    def serve(self, stop: threading.Event, until: Callable[[], bool] | None = None) -> None:
+        """Claim and run chunks until ``stop`` is set (or ``until()`` says the wanted work is done)."""
+        w = self.settings.worker
+        self.finalize_ready()
+        while not stop.is_set():
+            if until is not None and until():
+                return
+            c = claim(self.db, self.owner, w.lease_seconds, w.max_attempts)
+            if c is None:
+                self.finalize_ready()
+                stop.wait(w.poll_seconds)
+                continue
+            self.process(c)
+
+    def process(self, c: Claim) -> None:
+        w = self.settings.worker
+        try:
+            decoder = self.decoder()
+            run_id = self.run_id()
+        except ModelUnavailable as e:
+            release(self.db, c, reason=f"model unavailable: {e}")
+            raise
+        with self.db.session() as s:
+            doc = s.get(Document, c.document_id)
+        label = f"{doc.original_name} pages {c.first_page}-{c.last_page}"
+        path = Path(doc.original_path)
+        if not path.exists():
+            fail(self.db, c, f"original file is gone: {path}", w.max_attempts, w.backoff_seconds, permanent=True)
+            logger.error("{}: original file is gone ({})", label, path)
+            return
+        try:
+            pages = render_pages(path, doc.kind, c.first_page, c.last_page,
+                                 max_page_pixels=self.settings.watch.max_page_pixels)
+        except Exception as e:
+            fail(self.db, c, f"cannot render: {type(e).__name__}: {e}", w.max_attempts, w.backoff_seconds,
+                 permanent=True)
+            logger.error("{}: cannot render: {}", label, e)
+            return
+        logger.info("decoding {} (attempt {})", label, c.attempts)
+        try:
+            with Heartbeat(self.db, c, w.lease_seconds, w.heartbeat_seconds) as hb:
+                cap = self.settings.engine.max_tokens_per_page
+                out = decoder.decode([p.image for p in pages], context_limit=self.settings.engine.context_limit,
+                                     max_new_tokens=cap * len(pages) if cap else None)
+        except Exception as e:
+            self._decode_failed(c, label, e)
+            return
+        if hb.lost.is_set():
+            logger.warning("{}: lease lost while decoding; dropping the result", label)
+            return
+        self._store(c, run_id, pages, out, label)
+
+    def _decode_failed(self, c: Claim, label: str, e: Exception) -> None:
+        w = self.settings.worker
+        if _is_oom(e):
+            self.decoder().free_memory()
+            n = c.last_page - c.first_page + 1
+            if n > 1:  # fewer pages need less memory: split instead of retrying the same size
+                mid = c.first_page + n // 2 - 1
+                note = f"out of memory with {n} pages ({e.__class__.__name__}); split into " \
+                       f"{c.first_page}-{mid} and {mid + 1}-{c.last_page}"
+                with self.db.engine.begin() as conn:
+                    if complete(conn, c, status=ChunkStatus.SPLIT, note=note):
+                        conn.execute(Chunk.__table__.insert(), [
+                            dict(document_id=c.document_id, first_page=c.first_page, last_page=mid, parent_id=c.chunk_id),
+                            dict(document_id=c.document_id, first_page=mid + 1, last_page=c.last_page, parent_id=c.chunk_id),
+                        ])
+                logger.warning("{}: {}", label, note)
+                return
+            reason = f"out of memory decoding one page on {self.decoder().device}: {str(e).splitlines()[0][:300]}"
+        else:
+            reason = f"{type(e).__name__}: {e}"
+        status = fail(self.db, c, reason, w.max_attempts, w.backoff_seconds)
+        logger.opt(exception=not _is_oom(e)).error("{}: {} -> {}", label, reason, status or "lease lost")
+
+    def _store(self, c: Claim, run_id: int, pages: list, out: ChunkOutput, label: str) -> None:
+        n_in = len(pages)
+        kept = out.pages
+        rows = []
+        for i, po in enumerate(kept):
+            rendered = pages[i]
+            stats = {**po.stats, "chunk_id": c.chunk_id, "chunk_pages": f"{c.first_page}-{c.last_page}"}
+            if out.note:
+                stats["note"] = out.note
+            rows.append(dict(document_id=c.document_id, run_id=run_id, chunk_id=c.chunk_id,
+                             page_index=rendered.index, text=po.text, boxes=po.boxes, stats=stats,
+                             text_layer=rendered.text_layer))
+        new_chunks = []
+        if out.requeue:
+            first_left = c.first_page + len(kept)
+            if len(kept) == 0:  # not one complete page: halve the chunk so each part has more room
+                mid = c.first_page + n_in // 2 - 1
+                new_chunks = [(c.first_page, mid), (mid + 1, c.last_page)]
+            else:
+                new_chunks = [(first_left, c.last_page)]
+        status = ChunkStatus.SPLIT if new_chunks else ChunkStatus.DONE
+        note = out.note
+        if new_chunks:
+            note = (note + "; " if note else "") + "output reached the context limit; pages " + \
+                ", ".join(f"{a}-{b}" for a, b in new_chunks) + " re-queued"
+        try:
+            with self.db.engine.begin() as conn:
+                if not complete(conn, c, status=status, note=note, stats=out.chunk_stats, run_id=run_id,
+                                output_ids=out.output_ids):
+                    raise _LeaseLost
+                if rows:
+                    conn.execute(Page.__table__.insert(), rows)
+                if new_chunks:
+                    conn.execute(Chunk.__table__.insert(), [
+                        dict(document_id=c.document_id, first_page=a, last_page=b, parent_id=c.chunk_id)
+                        for a, b in new_chunks])
+                ready = refresh_document(conn, c.document_id) == "ready"
+        except _LeaseLost:
+            logger.warning("{}: lease lost before storing; dropping the result", label)
+            return
+        s = out.chunk_stats
+        logger.info("{}: {} pages, {} tokens in {:.1f}s ({:.1f} tok/s), finish {}{}", label, len(rows),
+                    s.get("output_tokens", 0), s.get("seconds", 0.0), s.get("tokens_per_second", 0.0),
+                    out.finish_reason, f"; {note}" if note else "")
+        if self.on_pages:
+            self.on_pages(len(rows))
+        if ready:
+            self.finalize(c.document_id)
+
+    # -- documents -------------------------------------------------------------------------------
+    def finalize_ready(self) -> None:
+        """Finish documents whose chunks are all done but whose outputs were not written (a crash
+        between the last chunk and the outputs leaves exactly this)."""
+        with self.db.session() as s:
+            ids = s.scalars(select(Document.id).where(Document.status.in_([DocStatus.QUEUED, DocStatus.RUNNING]))).all()
+        for doc_id in ids:
+            with self.db.engine.begin() as conn:
+                ready = refresh_document(conn, doc_id) == "ready"
+            if ready:
+                self.finalize(doc_id)
+
+    def finalize(self, doc_id: int) -> Path | None:
+        """Write document.md/json (latest page of each index), archive the original, mark it done."""
+        with self.db.session() as s:
+            doc = s.get(Document, doc_id)
+            latest = select(func.max(Page.id)).where(Page.document_id == doc_id).group_by(Page.page_index)
+            pages = s.scalars(select(Page).where(Page.id.in_(latest)).order_by(Page.page_index)).all()
+            run_ids = sorted({p.run_id for p in pages})
+            runs = [s.get(Run, r) for r in run_ids]
+        indexes = [p.page_index for p in pages]
+        if indexes != list(range(1, doc.page_count + 1)):
+            missing = sorted(set(range(1, doc.page_count + 1)) - set(indexes))
+            with self.db.engine.begin() as conn:
+                conn.execute(update(Document.__table__).where(Document.id == doc_id).values(
+                    status=DocStatus.FAILED, error=f"pages missing after all chunks finished: {missing}"))
+            logger.error("{}: pages missing after all chunks finished: {}", doc.original_name, missing)
+            return None
+        folder = output_folder(self.settings.outbox, doc.original_name, doc.sha256)
+        document = {"id": doc.id, "name": doc.original_name, "sha256": doc.sha256, "kind": doc.kind,
+                    "page_count": doc.page_count, "original_path": doc.original_path}
+        run = _run_dict(runs[-1]) if runs else {}
+        if len(runs) > 1:
+            run["earlier_runs"] = [_run_dict(r) for r in runs[:-1]]
+        page_dicts = [{"index": p.page_index, "text": p.text, "boxes": p.boxes, "stats": p.stats, "run_id": p.run_id,
+                       **({"note": p.stats["note"]} if p.stats.get("note") else {})} for p in pages]
+        md, _ = write_document_outputs(folder, document, run, page_dicts)
+        archived = None
+        src = Path(doc.original_path)
+        error = None
+        if src.exists():
+            archived = move_file(src, self.settings.archive)
+        else:
+            error = f"original was no longer at {src} when archiving"
+        with self.db.engine.begin() as conn:
+            conn.execute(update(Document.__table__).where(Document.id == doc_id).values(
+                status=DocStatus.DONE, archived_path=str(archived) if archived else None, error=error,
+                output_dir=str(folder),
+                completed_at=datetime.now(timezone.utc)))
+        logger.success("{} done: {}", doc.original_name, md)
+        return folder
+
+
+def _run_dict(r: Run) -> dict[str, Any]:
+    return {"id": r.id, "mode": r.mode, "model": r.model, "engine_version": r.engine_version, "host": r.host,
+            "started_at": r.started_at.isoformat() if r.started_at else None}
+
+
+def wait_backoff(seconds: float, stop: threading.Event) -> None:
+    end = time.monotonic() + seconds
+    while not stop.is_set() and time.monotonic() < end:
+        stop.wait(min(1.0, end - time.monotonic()))

@@ -1,0 +1,245 @@
+"""The worker end to end on CPU with a tiny random Unlimited-OCR: real files, real processes, real SQLite."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from sqlalchemy import func, select
+
+from db.models import Chunk, ChunkStatus, Document, Page
+from db.session import Database
+from engine.chunk_decode import OfficialDecoder, assemble
+from engine.model import load_model
+from engine.official import DecodeResult
+from ingest.config import load_settings
+from ingest.intake import intake_file
+from ingest.render import render_pages
+from ingest.worker import Worker
+from tests.conftest import ROOT, make_pdf, uflash, worker_config
+
+
+def make_tiff(path: Path, n: int, shade: int = 0) -> Path:
+    frames = [Image.new("RGB", (400, 560), (255 - shade, 255 - 40 * i, 255)) for i in range(n)]
+    frames[0].save(path, save_all=True, append_images=frames[1:])
+    return path
+
+
+def pages_in_db(db, doc_id):
+    with db.session() as s:
+        return s.execute(select(Page.page_index, func.count()).where(Page.document_id == doc_id)
+                         .group_by(Page.page_index).order_by(Page.page_index)).all()
+
+
+def test_uflash_run_end_to_end(tmp_path, tiny_model_dir):
+    cfg = worker_config(tmp_path, tiny_model_dir)
+    s = load_settings(cfg)
+    s.ensure_folders()
+    files = [make_pdf(s.inbox / "one.pdf", ["A single page."]), make_pdf(s.inbox / "seven.pdf", 7),
+             make_tiff(s.inbox / "scan.tif", 3)]
+    Image.new("RGB", (500, 300), "white").save(s.inbox / "photo.png")
+    files.append(s.inbox / "photo.png")
+    r = uflash("--config", str(cfg), "run", *map(str, files), timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    expected = {"one": 1, "seven": 7, "scan": 3, "photo": 1}
+    for stem, n in expected.items():
+        out = s.outbox / stem
+        doc = json.loads((out / "document.json").read_text(encoding="utf-8"))
+        assert [p["index"] for p in doc["pages"]] == list(range(1, n + 1))
+        for p in doc["pages"]:
+            assert {"finish_reason", "tokens", "seconds"} <= set(p["stats"])
+            assert isinstance(p["text"], str) and isinstance(p["boxes"], list)
+        assert doc["run"]["mode"] == "official" and doc["document"]["page_count"] == n
+        assert (out / "document.md").read_text(encoding="utf-8").count("<!-- page ") == n
+    assert not any(s.inbox.iterdir()), "originals must leave the inbox"
+    assert sorted(p.name for p in s.archive.iterdir()) == ["one.pdf", "photo.png", "scan.tif", "seven.pdf"]
+    assert "seven.pdf: 7 pages" in r.stdout
+    db = Database(s.database_url)
+    with db.session() as ss:
+        seven = ss.scalar(select(Document).where(Document.original_name == "seven.pdf"))
+        planned = [(c.first_page, c.last_page) for c in seven.chunks if c.parent_id is None]
+        assert planned == [(1, 4), (5, 7)]
+    assert [n for _, n in pages_in_db(db, seven.id)] == [1] * 7
+
+
+def test_worker_decode_equals_generate(tmp_path, tiny_model_dir):
+    """Token ids stored for a 3-page chunk equal model.generate() called directly on the same inputs."""
+    loaded = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+    pdf = make_pdf(tmp_path / "three.pdf", ["alpha beta", "gamma delta", "epsilon"])
+    images = [p.image for p in render_pages(pdf, "pdf", 1, 3)]
+    out = OfficialDecoder(loaded).decode(images, context_limit=32768, max_new_tokens=160)
+    inputs = loaded.processor(images=images, text="<image><image><image>Multi page parsing.", return_tensors="pt")
+    with torch.inference_mode():
+        seq = loaded.model.generate(**inputs, max_new_tokens=160, do_sample=False, no_repeat_ngram_size=35,
+                                    no_repeat_ngram_window_size=1024)
+    direct = seq[0, inputs["input_ids"].shape[1]:].tolist()
+    assert out.output_ids == direct
+    assert len(direct) > 128  # crosses the R-SWA window many times over (window 8)
+
+
+def _fake_result(text: str, finish: str, n_tokens: int = 100) -> DecodeResult:
+    return DecodeResult(prompt_ids=[0] * 10, output_ids=list(range(n_tokens)), finish_reason=finish, seconds=1.0,
+                        text=text, prompt_kind="multi", n_pages=4, ngram_window=1024)
+
+
+def test_assemble_keeps_complete_pages_at_the_limit():
+    out = assemble(_fake_result("<PAGE>one<PAGE>two<PAGE>thr", "length"), 4, hit_context=True)
+    assert [p.text for p in out.pages] == ["one", "two"] and out.requeue and out.finish_reason == "context_limit"
+    out = assemble(_fake_result("<PAGE>a<PAGE>b<PAGE>c<PAGE>d", "eos"), 4, hit_context=False)
+    assert [p.text for p in out.pages] == ["a", "b", "c", "d"] and not out.requeue
+    assert out.pages[-1].stats["finish_reason"] == "eos"
+    out = assemble(_fake_result("<PAGE>a<PAGE>b", "eos"), 4, hit_context=False)
+    assert [p.text for p in out.pages] == ["a", "b"] and out.requeue and "2 pages for 4" in out.note
+    out = assemble(_fake_result("<PAGE>a<PAGE>b<PAGE>c<PAGE>d<PAGE>e", "eos"), 4, hit_context=False)
+    assert len(out.pages) == 4 and out.pages[3].text == "d\n\ne" and "5 pages for 4" in out.pages[3].stats["note"]
+    out = assemble(_fake_result("no separator at all, cut", "length"), 4, hit_context=True)
+    assert out.pages == [] and out.requeue
+    out = assemble(_fake_result("a single page, cut", "length"), 1, hit_context=True)
+    assert [p.text for p in out.pages] == ["a single page, cut"] and not out.requeue
+    assert out.pages[0].stats["finish_reason"] == "context_limit"
+
+
+def serve_until_done(worker, db, timeout=300):
+    stop = threading.Event()
+
+    def done():
+        with db.session() as s:
+            return s.scalar(select(func.count()).select_from(Document)
+                            .where(Document.status.not_in(["done", "failed"]))) == 0
+
+    timer = threading.Timer(timeout, stop.set)
+    timer.start()
+    try:
+        worker.serve(stop, until=done)
+    finally:
+        timer.cancel()
+    assert not stop.is_set(), "timed out"
+
+
+def test_context_limit_loses_no_page(tmp_path, tiny_model_dir):
+    # 3-page prompt = 1 + 3*21 + 5 tokens; a limit of 110 leaves ~40 output tokens for 3 pages.
+    cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_tokens_per_page": None, "max_pages_per_chunk": 3,
+                                                          "default_tokens_per_page": 1})
+    s = load_settings(cfg)
+    s.ensure_folders()
+    db = Database(s.database_url)
+    doc = intake_file(db, s, make_pdf(s.inbox / "six.pdf", 6)).document_id  # planned as 2 chunks of 3
+    s.engine.context_limit = 110  # below the config floor on purpose: force the limit
+    worker = Worker(s, db, lambda: OfficialDecoder(load_model(str(tiny_model_dir), "cpu", "float32")))
+    serve_until_done(worker, db)
+    assert [n for _, n in pages_in_db(db, doc)] == [1] * 6  # every page exactly once
+    with db.session() as ss:
+        chunks = ss.scalars(select(Chunk).where(Chunk.document_id == doc)).all()
+        d = ss.get(Document, doc)
+    assert any(c.status == ChunkStatus.SPLIT for c in chunks)
+    assert all(c.status in (ChunkStatus.DONE, ChunkStatus.SPLIT) for c in chunks)
+    assert d.status == "done"
+    out = json.loads((Path(d.output_dir) / "document.json").read_text(encoding="utf-8"))
+    assert [p["index"] for p in out["pages"]] == list(range(1, 7))
+
+
+class FlakyDecoder:
+    """Wraps the real decoder; raises an out-of-memory error for chunks with a given page count."""
+
+    def __init__(self, inner, oom_pages: int):
+        self.inner, self.oom_pages = inner, oom_pages
+        self.mode, self.model_name, self.device = inner.mode, inner.model_name, inner.device
+
+    def describe(self):
+        return self.inner.describe()
+
+    def free_memory(self):
+        self.inner.free_memory()
+
+    def decode(self, images, context_limit, max_new_tokens=None):
+        if len(images) == self.oom_pages:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return self.inner.decode(images, context_limit, max_new_tokens)
+
+
+def test_out_of_memory_is_recorded_and_other_documents_go_on(tmp_path, tiny_model_dir):
+    cfg = worker_config(tmp_path, tiny_model_dir, worker={"max_attempts": 2, "backoff_seconds": 0.0})
+    s = load_settings(cfg)
+    s.ensure_folders()
+    db = Database(s.database_url)
+    ok = intake_file(db, s, make_pdf(s.inbox / "ok.pdf", 3)).document_id  # 3 pages: fine
+    big = intake_file(db, s, make_pdf(s.inbox / "big.pdf", 2)).document_id  # 2 pages: OOM, then 1 page: fine
+    bad = intake_file(db, s, make_tiff(s.inbox / "single.tif", 1)).document_id
+    inner = OfficialDecoder(load_model(str(tiny_model_dir), "cpu", "float32"))
+    worker = Worker(s, db, lambda: FlakyDecoder(inner, oom_pages=2))
+    serve_until_done(worker, db)
+    with db.session() as ss:
+        assert ss.get(Document, ok).status == "done"
+        assert ss.get(Document, big).status == "done"  # split after the OOM, each half fits
+        notes = [c.note for c in ss.scalars(select(Chunk).where(Chunk.document_id == big))]
+        assert any(n and "out of memory with 2 pages" in n for n in notes)
+        assert ss.get(Document, bad).status == "done"
+    worker2 = Worker(s, db, lambda: FlakyDecoder(inner, oom_pages=1))
+    single = intake_file(db, s, make_tiff(s.inbox / "one more.tif", 1, shade=9)).document_id
+    serve_until_done(worker2, db)
+    with db.session() as ss:
+        d = ss.get(Document, single)
+        assert d.status == "failed" and "out of memory decoding one page" in d.error
+
+
+def test_missing_and_corrupt_weights_give_readable_reasons(tmp_path, tiny_model_dir):
+    cfg = worker_config(tmp_path, tmp_path / "no-such-model")
+    s = load_settings(cfg)
+    s.ensure_folders()
+    pdf = make_pdf(s.inbox / "doc.pdf", 1)
+    r = uflash("--config", str(cfg), "run", str(pdf))
+    assert r.returncode == 3, r.stderr
+    assert "model not found at" in r.stderr and "model.path" in r.stderr and "Traceback" not in r.stderr
+    st = uflash("--config", str(cfg), "status").stdout
+    assert "model unavailable: model not found at" in st  # the reason is recorded on the waiting chunk
+    assert pdf.exists(), "the file stays queued until a model is there"
+
+    broken = tmp_path / "broken-model"
+    shutil.copytree(tiny_model_dir, broken)
+    weights = next(broken.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:1000])
+    cfg2 = worker_config(tmp_path / "two", broken) if (tmp_path / "two").mkdir() is None else None
+    r = uflash("--config", str(cfg2), "run", str(make_pdf(tmp_path / "two" / "x.pdf", 1)))
+    assert r.returncode == 3 and "cannot load weights" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_worker_killed_mid_chunk_redoes_it_once(tmp_path, tiny_model_dir):
+    cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_tokens_per_page": 100, "max_pages_per_chunk": 2},
+                        worker={"lease_seconds": 3.0, "heartbeat_seconds": 1.0})
+    s = load_settings(cfg)
+    s.ensure_folders()
+    pdf = make_pdf(s.inbox / "four.pdf", 4)
+    proc = subprocess.Popen([sys.executable, "-m", "ingest.cli", "--config", str(cfg), "watch"], cwd=ROOT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    deadline = time.monotonic() + 120
+    while not any("decoding four.pdf" in ln for ln in lines) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert any("decoding four.pdf" in ln for ln in lines), "".join(lines)
+    time.sleep(1.0)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    db = Database(s.database_url)
+    with db.session() as ss:
+        running = ss.scalars(select(Chunk).where(Chunk.status == ChunkStatus.RUNNING)).all()
+    assert len(running) == 1, "the killed worker held a lease"
+    r = uflash("--config", str(cfg), "run", timeout=600)  # restart: takes the inbox file again
+    assert r.returncode == 0, r.stdout + r.stderr
+    with db.session() as ss:
+        doc = ss.scalar(select(Document))
+        chunks = ss.scalars(select(Chunk)).all()
+    assert doc.status == "done"
+    assert [n for _, n in pages_in_db(db, doc.id)] == [1] * 4
+    assert max(c.attempts for c in chunks) == 2  # the killed chunk was redone once
