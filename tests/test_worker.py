@@ -243,3 +243,22 @@ def test_worker_killed_mid_chunk_redoes_it_once(tmp_path, tiny_model_dir):
     assert doc.status == "done"
     assert [n for _, n in pages_in_db(db, doc.id)] == [1] * 4
     assert max(c.attempts for c in chunks) == 2  # the killed chunk was redone once
+
+
+@pytest.mark.skipif(not (ROOT.parent / "shared" / "samples" / "real").is_dir(), reason="shared samples absent")
+def test_real_world_files_through_the_worker(tmp_path, tiny_model_dir):
+    samples = ROOT.parent / "shared" / "samples" / "real"
+    cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_tokens_per_page": 8})
+    s = load_settings(cfg)
+    s.ensure_folders()
+    names = ["multipage.pdf", "cardinal.pdf", "ccitt.pdf", "jbig2.pdf", "typewriter.png", "no_contents.pdf",
+             "invalid.pdf"]
+    for n in names:  # copies: the worker archives what it takes, and the samples stay untouched
+        shutil.copyfile(samples / n, s.inbox / n)
+    r = uflash("--config", str(cfg), "run", timeout=600)
+    assert r.returncode == 4, r.stdout + r.stderr  # invalid.pdf is refused, the rest is done
+    assert "refused invalid.pdf" in r.stdout
+    for n, pages in {"multipage": 6, "cardinal": 4, "ccitt": 1, "jbig2": 1, "typewriter": 1, "no_contents": 1}.items():
+        doc = json.loads((s.outbox / n / "document.json").read_text(encoding="utf-8"))
+        assert len(doc["pages"]) == pages
+    assert (s.failed / "invalid.pdf.error.txt").exists()
