@@ -34,7 +34,7 @@ class Folders(_Section):
 
 
 class Database(_Section):
-    url: str = "sqlite:///var/uflash.db"
+    url: str = "sqlite:///var/uflash.db"  # or postgresql+psycopg://user@host/db (pip install -e ".[postgres]")
     busy_timeout_ms: int = Field(default=30_000, ge=0)
 
 

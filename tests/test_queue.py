@@ -2,13 +2,43 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
+import pytest
 from sqlalchemy import select
 
 from db.models import Chunk, ChunkStatus, Document
 from db.queue import claim, complete, fail, heartbeat, release
+from db.session import Database
 from tests.conftest import ROOT
+from tests.pg_server import start_postgres
+
+
+@pytest.fixture(scope="module")
+def pg_server():
+    server = start_postgres(Path(tempfile.mkdtemp(prefix="uflash-pg-")))
+    if server is None:
+        pytest.skip("PostgreSQL server binaries not installed (.ci/run installs them)")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def any_db(request, tmp_path):
+    """The same queue tests on a SQLite file and on a real PostgreSQL server."""
+    if request.param == "sqlite":
+        d = Database(f"sqlite:///{tmp_path / 'q.db'}")
+    else:
+        d = Database(request.getfixturevalue("pg_server").url)
+        from db.models import Base
+
+        Base.metadata.drop_all(d.engine)
+        d.dispose()
+        d = Database(request.getfixturevalue("pg_server").url)
+    yield d
+    d.dispose()
 
 
 def add_document(db, n_chunks: int, name: str = "doc.pdf") -> int:
@@ -41,7 +71,8 @@ def wait_for(pred, timeout=30.0, every=0.05):
     return False
 
 
-def test_two_processes_never_claim_the_same_chunk(db, tmp_path):
+def test_two_processes_never_claim_the_same_chunk(any_db, tmp_path):
+    db = any_db
     add_document(db, 100)
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
     procs = [start_claimer(db, f"worker-{i}", logs[i], "drain", 30) for i in range(2)]
@@ -56,7 +87,8 @@ def test_two_processes_never_claim_the_same_chunk(db, tmp_path):
     assert all(c.status == ChunkStatus.DONE and c.attempts == 1 and c.lease_owner is None for c in chunks)
 
 
-def test_killed_lease_holder_chunk_is_taken_over(db, tmp_path):
+def test_killed_lease_holder_chunk_is_taken_over(any_db, tmp_path):
+    db = any_db
     add_document(db, 1)
     lease = 1.5
     a_log, b_log = tmp_path / "a.log", tmp_path / "b.log"
@@ -82,7 +114,8 @@ def test_killed_lease_holder_chunk_is_taken_over(db, tmp_path):
     assert c.status == ChunkStatus.DONE and c.attempts == 2
 
 
-def test_retry_with_backoff_then_failed_with_reason(db):
+def test_retry_with_backoff_then_failed_with_reason(any_db):
+    db = any_db
     doc = add_document(db, 1)
     c1 = claim(db, "w", lease_seconds=60, max_attempts=2)
     assert fail(db, c1, "CUDA out of memory", max_attempts=2, backoff_seconds=100) == ChunkStatus.QUEUED
