@@ -44,7 +44,10 @@ class ChunkDecoder(Protocol):
     model_name: str
     device: str
 
-    def decode(self, images: list, context_limit: int, max_new_tokens: int | None = None) -> ChunkOutput: ...
+    def decode(self, images: list, context_limit: int, max_new_tokens: int | None = None,
+               reference_texts: list[str] | None = None, replay_ids: list[int] | None = None) -> ChunkOutput:
+        """reference_texts / replay_ids are draft hints (a page's known text, an earlier run's ids):
+        decoders that speculate use them; none lets them change the output."""
 
     def describe(self) -> dict[str, Any]: ...
 
@@ -58,6 +61,24 @@ def prompt_length(loaded: LoadedModel, n_pages: int) -> int:
     text = PROMPTS["single" if n_pages == 1 else "multi"]
     n_text = len(loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
     return 1 + n_pages * loaded.tokens_per_page + n_text
+
+
+def token_budget(loaded: LoadedModel, n_pages: int, context_limit: int,
+                 max_new_tokens: int | None) -> tuple[int, bool] | None:
+    """(new-token limit, whether the limit is the context room) for a chunk of ``n_pages``; None when a
+    multi-page chunk leaves fewer than MIN_NEW_TOKENS (ValueError for a single page: it cannot shrink)."""
+    room = context_limit - prompt_length(loaded, n_pages)
+    if room < MIN_NEW_TOKENS:
+        if n_pages == 1:
+            raise ValueError(f"one page's prompt leaves {room} tokens under the context limit {context_limit}")
+        return None
+    limit = room if max_new_tokens is None else min(room, max_new_tokens)
+    return limit, limit == room
+
+
+def no_room(n_pages: int, context_limit: int) -> ChunkOutput:
+    return ChunkOutput(pages=[], n_input_pages=n_pages, finish_reason="no_room", requeue=True,
+                       note=f"{n_pages} pages leave no room under the context limit {context_limit}")
 
 
 def assemble(res: DecodeResult, n_in: int, hit_context: bool) -> ChunkOutput:
@@ -139,25 +160,26 @@ class OfficialDecoder:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def decode(self, images: list, context_limit: int, max_new_tokens: int | None = None) -> ChunkOutput:
-        n = len(images)
-        room = context_limit - prompt_length(self.loaded, n)
-        if room < MIN_NEW_TOKENS:
-            if n == 1:
-                raise ValueError(f"one page's prompt leaves {room} tokens under the context limit {context_limit}")
-            return ChunkOutput(pages=[], n_input_pages=n, finish_reason="no_room", requeue=True,
-                               note=f"{n} pages leave no room under the context limit {context_limit}")
-        limit = room if max_new_tokens is None else min(room, max_new_tokens)
+    def decode(self, images: list, context_limit: int, max_new_tokens: int | None = None,
+               reference_texts: list[str] | None = None, replay_ids: list[int] | None = None) -> ChunkOutput:
+        n = len(images)  # the official path takes no draft hints
+        budget = token_budget(self.loaded, n, context_limit, max_new_tokens)
+        if budget is None:
+            return no_room(n, context_limit)
+        limit, limit_is_room = budget
         t0 = time.perf_counter()
         res = official_generate(self.loaded, images, "single" if n == 1 else "multi", limit)
-        out = assemble(res, n, hit_context=(res.finish_reason != "eos" and limit == room))
+        out = assemble(res, n, hit_context=(res.finish_reason != "eos" and limit_is_room))
         out.chunk_stats["wall_seconds"] = round(time.perf_counter() - t0, 4)
         return out
 
 
 def load_decoder(path: str, device: str = "auto", dtype: str = "auto", mode: str = "official") -> ChunkDecoder:
+    """official: transformers generate(); plain / lossless: engine.speculative (token-identical)."""
     from engine.model import load_model
+    from engine.speculative import MODES, SpeculativeDecoder
 
-    if mode != "official":
-        raise ValueError(f"engine mode {mode!r} is not available yet; use 'official'")
-    return OfficialDecoder(load_model(path, device, dtype))
+    if mode != "official" and mode not in MODES:
+        raise ValueError(f"engine mode {mode!r} is not available; use 'official', 'plain' or 'lossless'")
+    loaded = load_model(path, device, dtype)
+    return OfficialDecoder(loaded) if mode == "official" else SpeculativeDecoder(loaded, mode=mode)

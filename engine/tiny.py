@@ -88,12 +88,13 @@ def set_eos_scale(model, scale: float, seed: int = 0) -> None:
 
 
 def build_tiny_model(folder: Path, sliding_window: int = 8, seed: int = 0, vocab_extra: int = 0,
-                     image_size: int = IMAGE_SIZE, eos_scale: float = 0.0) -> Path:
+                     image_size: int = IMAGE_SIZE, eos_scale: float = 0.0, text_init: float = 0.2) -> Path:
     """Build and save a tiny random UnlimitedOcrForConditionalGeneration with tokenizer and processor.
 
     sliding_window: R-SWA window n of the decoder (real model: 128). seed: torch seed of the weights.
     vocab_extra: raises the BPE vocabulary target above 400 (it saturates near 1300 on the built-in text).
     image_size: base-mode page size (256 -> 21 image tokens per page). eos_scale: see set_eos_scale.
+    text_init: decoder init range; 0.02 makes greedy outputs loop (what the no-repeat-ngram rule is for).
     Decoder: 3 layers (layer 0 dense, 1-2 MoE with 4 experts, top-2, 1 shared), hidden 64, 4 heads; init 0.2
     so that greedy outputs are long and varied (at 0.02 they collapse into 2-12 token loops).
     """
@@ -104,7 +105,7 @@ def build_tiny_model(folder: Path, sliding_window: int = 8, seed: int = 0, vocab
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(vocab_extra)
     torch.manual_seed(seed)
-    model = UnlimitedOcrForConditionalGeneration(tiny_config(tokenizer, sliding_window, image_size)).eval()
+    model = UnlimitedOcrForConditionalGeneration(tiny_config(tokenizer, sliding_window, image_size, text_init)).eval()
     set_eos_scale(model, eos_scale)
     # A config not derived from the model config (`_from_model_config` set would drop custom entries on load).
     # n=35 and window 128 mirror the official single-page rule; the window is a custom entry read by the

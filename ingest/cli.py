@@ -32,7 +32,9 @@ def _parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="process these files (or the inbox) now, and exit when they are done")
     r.add_argument("paths", nargs="*", metavar="PATH", help="files or folders (default: everything in the inbox)")
-    r.add_argument("--mode", choices=["official"], help="decode mode (default: engine.mode in the config)")
+    r.add_argument("--mode", choices=["official", "plain", "lossless"],
+                   help="official: transformers generate(); plain: our engine, one token a step; lossless: "
+                        "speculative, token-identical to official (default: engine.mode in the config)")
     r.add_argument("--out", metavar="DIR", help="write outputs here instead of folders.outbox")
 
     s = sub.add_parser("status", help="documents and chunks by state, failures and their reasons")

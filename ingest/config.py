@@ -45,7 +45,7 @@ class ModelSettings(_Section):
 
 
 class EngineSettings(_Section):
-    mode: Literal["official", "plain", "lossless", "fast"] = "official"
+    mode: Literal["official", "plain", "lossless"] = "lossless"
     max_pages_per_chunk: int = Field(default=16, ge=1)
     context_limit: int = Field(default=32_768, ge=512)
     context_margin: float = Field(default=0.1, ge=0.0, lt=1.0)

@@ -127,7 +127,9 @@ class Worker:
             with Heartbeat(self.db, c, w.lease_seconds, w.heartbeat_seconds) as hb:
                 cap = self.settings.engine.max_tokens_per_page
                 out = decoder.decode([p.image for p in pages], context_limit=self.settings.engine.context_limit,
-                                     max_new_tokens=cap * len(pages) if cap else None)
+                                     max_new_tokens=cap * len(pages) if cap else None,
+                                     reference_texts=[p.text_layer or "" for p in pages],
+                                     replay_ids=self._replay_ids(c))
         except Exception as e:
             self._decode_failed(c, label, e)
             return
@@ -135,6 +137,13 @@ class Worker:
             logger.warning("{}: lease lost while decoding; dropping the result", label)
             return
         self._store(c, run_id, pages, out, label)
+
+    def _replay_ids(self, c: Claim) -> list[int] | None:
+        """Token ids of an earlier decode of exactly these pages (a re-run's free draft), if any."""
+        with self.db.session() as s:
+            return s.scalar(select(Chunk.output_ids).where(
+                Chunk.document_id == c.document_id, Chunk.first_page == c.first_page, Chunk.last_page == c.last_page,
+                Chunk.id != c.chunk_id, Chunk.output_ids.is_not(None)).order_by(Chunk.id.desc()).limit(1))
 
     def _decode_failed(self, c: Claim, label: str, e: Exception) -> None:
         w = self.settings.worker

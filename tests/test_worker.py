@@ -59,7 +59,7 @@ def test_uflash_run_end_to_end(tmp_path, tiny_model_dir):
         for p in doc["pages"]:
             assert {"finish_reason", "tokens", "seconds"} <= set(p["stats"])
             assert isinstance(p["text"], str) and isinstance(p["boxes"], list)
-        assert doc["run"]["mode"] == "official" and doc["document"]["page_count"] == n
+        assert doc["run"]["mode"] == "lossless" and doc["document"]["page_count"] == n  # the default mode
         assert (out / "document.md").read_text(encoding="utf-8").count("<!-- page ") == n
     assert not any(s.inbox.iterdir()), "originals must leave the inbox"
     assert sorted(p.name for p in s.archive.iterdir()) == ["one.pdf", "photo.png", "scan.tif", "seven.pdf"]
@@ -161,10 +161,10 @@ class FlakyDecoder:
     def free_memory(self):
         self.inner.free_memory()
 
-    def decode(self, images, context_limit, max_new_tokens=None):
+    def decode(self, images, context_limit, max_new_tokens=None, **hints):
         if len(images) == self.oom_pages:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
-        return self.inner.decode(images, context_limit, max_new_tokens)
+        return self.inner.decode(images, context_limit, max_new_tokens, **hints)
 
 
 def test_out_of_memory_is_recorded_and_other_documents_go_on(tmp_path, tiny_model_dir):
@@ -262,3 +262,27 @@ def test_real_world_files_through_the_worker(tmp_path, tiny_model_dir):
         doc = json.loads((s.outbox / n / "document.json").read_text(encoding="utf-8"))
         assert len(doc["pages"]) == pages
     assert (s.failed / "invalid.pdf.error.txt").exists()
+
+
+def test_all_modes_give_the_same_pages(tmp_path, tiny_model_dir):
+    """official (generate), plain and lossless (our engine) store identical token ids and texts."""
+    texts = {}
+    for mode in ("official", "plain", "lossless"):
+        folder = tmp_path / mode
+        folder.mkdir()
+        cfg = worker_config(folder, tiny_model_dir, engine={"max_tokens_per_page": 60})
+        s = load_settings(cfg)
+        s.ensure_folders()
+        pdf = make_pdf(s.inbox / "three.pdf", ["first page words", "second page", "third"])
+        r = uflash("--config", str(cfg), "run", "--mode", mode, str(pdf), timeout=600)
+        assert r.returncode == 0, r.stdout + r.stderr
+        doc = json.loads((s.outbox / "three" / "document.json").read_text(encoding="utf-8"))
+        assert doc["run"]["mode"] == mode
+        if mode != "official":
+            assert {"verify_rounds", "tau"} <= set(doc["pages"][0]["stats"]), doc["pages"][0]["stats"]
+        db = Database(s.database_url)
+        with db.session() as ss:
+            ids = [c.output_ids for c in ss.scalars(select(Chunk).order_by(Chunk.id))]
+        texts[mode] = ([p["text"] for p in doc["pages"]], ids)
+    assert texts["plain"] == texts["official"]
+    assert texts["lossless"] == texts["official"]

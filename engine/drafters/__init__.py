@@ -1,0 +1,17 @@
+"""Drafters: cheap guesses of the target's next tokens. Any guess is safe, `engine.verify` keeps only
+what the target itself would have produced; a good drafter only makes decoding faster.
+
+A drafter has a ``name`` and ``propose(committed_ids, k) -> list[int]``: up to ``k`` tokens expected to
+follow ``committed_ids`` (the output so far, prompt excluded). It may keep state between calls, but
+must accept any ``committed_ids`` that extends the previous one.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Drafter(Protocol):
+    name: str
+
+    def propose(self, committed_ids: list[int], k: int) -> list[int]: ...

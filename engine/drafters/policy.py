@@ -1,0 +1,65 @@
+"""Which draft to verify each round, and how long: one proposal per round, K adapted per drafter.
+
+- Every active drafter proposes up to its own K (capped by the room left); the longest proposal wins
+  (the first drafter in order on ties).
+- After a round the winner's K becomes ``min(k_max, 2 * (accepted + 1))``: it doubles while drafts are
+  fully accepted and shrinks to just past what was accepted otherwise.
+- A drafter whose draft was wholly rejected sits out ``backoff`` rounds (1, 2, 4 .. 16, reset by any
+  acceptance), so an always-wrong drafter costs little more than plain decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.drafters import Drafter
+
+MAX_BACKOFF = 16
+
+
+@dataclass
+class DrafterStats:
+    rounds: int = 0  # rounds in which its draft was verified
+    proposed: int = 0  # draft tokens verified
+    accepted: int = 0  # draft tokens accepted
+
+    def as_dict(self) -> dict:
+        rate = self.accepted / self.proposed if self.proposed else 0.0
+        return {"rounds": self.rounds, "proposed": self.proposed, "accepted": self.accepted,
+                "acceptance": round(rate, 4)}
+
+
+class DraftPolicy:
+    def __init__(self, drafters: list[Drafter], k_max: int):
+        if k_max < 1:
+            raise ValueError("k_max must be >= 1")
+        self.drafters = list(drafters)
+        self.k_max = k_max
+        self.k = {d.name: k_max for d in self.drafters}
+        self.stats = {d.name: DrafterStats() for d in self.drafters}
+        self._sit_out = {d.name: 0 for d in self.drafters}
+        self._backoff = {d.name: 1 for d in self.drafters}
+
+    def propose(self, committed_ids: list[int], room: int) -> tuple[str | None, list[int]]:
+        """(drafter name, draft of at most ``room`` tokens); (None, []) when nobody has a draft."""
+        best: tuple[str | None, list[int]] = (None, [])
+        for drafter in self.drafters:
+            if self._sit_out[drafter.name] > 0:
+                self._sit_out[drafter.name] -= 1
+                continue
+            draft = drafter.propose(committed_ids, min(self.k[drafter.name], room))
+            if len(draft) > len(best[1]):
+                best = (drafter.name, draft)
+        return best
+
+    def record(self, name: str, proposed: int, accepted: int) -> None:
+        stats = self.stats[name]
+        stats.rounds += 1
+        stats.proposed += proposed
+        stats.accepted += accepted
+        self.k[name] = min(self.k_max, 2 * (accepted + 1))
+        if accepted == 0:
+            self._sit_out[name] = self._backoff[name]
+            self._backoff[name] = min(MAX_BACKOFF, 2 * self._backoff[name])
+        else:
+            self._backoff[name] = 1

@@ -1,0 +1,194 @@
+"""Lossless speculative decoding of a chunk on the R-SWA ring cache: token-identical to `official_generate`.
+
+Loop (see `engine.verify` for one round):
+1. processor inputs and the official rule exactly as `engine.official` builds them (n, window and the
+   absence of any other logits processor are read from the model's own generate setup);
+2. prefill the prefix into an `RswaKVCache` whose ring has room for ``k_max + 1`` tokens per step;
+   the first token is the greedy choice after the rule on the prompt;
+3. each round: the `DraftPolicy` asks the drafters for a draft (``lossless``; never in ``plain``), then one
+   verify forward emits the accepted draft tokens + the target's own token (a draftless round is a plain
+   single-token step); stop at EOS or ``max_new_tokens``, as generate does.
+
+Mode ``plain`` is the same engine with no drafts: one token per forward.
+
+Stats (``DecodeResult.extra["speculative"]``, merged into ``ChunkOutput.chunk_stats``; pages get their
+token share of the counts and times): tokens, forwards (1 prefill + verify_rounds + single_steps),
+verify_rounds (forwards with a draft), single_steps (draftless forwards), draft_tokens, accepted_tokens,
+tau (accepted draft tokens per verify round), drafters (rounds/proposed/accepted/acceptance by drafter),
+prefill_s (processor + vision + prefix forward + first token), draft_s, verify_s, single_s, cache_bytes,
+ring_slots. ``DecodeResult.seconds`` is the wall time of the whole decode, processor included.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from engine.chunk_decode import ChunkOutput, assemble, no_room, token_budget
+from engine.drafters import Drafter
+from engine.drafters.ngram import NgramDrafter
+from engine.drafters.policy import DraftPolicy
+from engine.drafters.suffix_match import ReferenceDrafter, ReplayDrafter
+from engine.model import PAGE_SEPARATOR, LoadedModel
+from engine.ngram_rule import NoRepeatNgramRule, greedy_token
+from engine.official import DecodeResult, decode_text, official_generation_config, official_inputs
+from engine.runner import RswaRunner
+from engine.verify import verify
+
+MODES = ("plain", "lossless")
+DRAFTERS = ("reference", "replay", "ngram")
+SHARED_STATS = ("verify_rounds", "single_steps", "draft_tokens", "accepted_tokens",
+                "prefill_s", "draft_s", "verify_s", "single_s")
+
+
+def official_rule(loaded: LoadedModel, prompt_kind: str) -> tuple[int, int]:
+    """(ngram_size, window_size) of the rule generate() installs with the official config (merged with the
+    checkpoint's generation config, as generate does); raises if generate would also apply any other logits
+    processor or stopping rule than EOS and max_new_tokens (the engine would then not be exact)."""
+    from transformers.models.unlimited_ocr.generation_unlimited_ocr import (
+        UnlimitedOcrSlidingWindowNoRepeatNgramLogitsProcessor as Rule)
+
+    config, _ = loaded.model._prepare_generation_config(official_generation_config(loaded, prompt_kind, 1))
+    processors = loaded.model._get_logits_processor(config, input_ids_seq_length=1, device="cpu", model_kwargs={})
+    others = [type(p).__name__ for p in processors if not isinstance(p, Rule)]
+    rules = [p for p in processors if isinstance(p, Rule)]
+    if others or len(rules) != 1:
+        raise ValueError(f"official generate uses logits processors the engine does not reproduce: {others}")
+    if config.stop_strings is not None or config.max_time is not None:
+        raise ValueError("official generate stops on stop_strings or max_time; the engine does not reproduce that")
+    return rules[0].ngram_size, rules[0].window_size
+
+
+class SpeculativeDecoder:
+    """ChunkDecoder of modes ``plain`` and ``lossless`` (token-identical to the official path).
+
+    k_max: most draft tokens per verify round (the ring holds window + k_max slots).
+    drafters: names, in priority order, used in lossless mode: ``reference`` (needs reference_texts),
+    ``replay`` (needs replay_ids), ``ngram`` (always available).
+    """
+
+    def __init__(self, loaded: LoadedModel, mode: str = "lossless", k_max: int = 16,
+                 drafters: tuple[str, ...] = DRAFTERS):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        unknown = set(drafters) - set(DRAFTERS)
+        if unknown:
+            raise ValueError(f"unknown drafters {sorted(unknown)}; choose among {DRAFTERS}")
+        if k_max < 1:
+            raise ValueError("k_max must be >= 1")
+        self.loaded = loaded
+        self.mode = mode
+        self.k_max = k_max
+        self.drafter_names = tuple(drafters)
+        self.model_name = loaded.name
+        self.device = str(loaded.device)
+        self.runner = RswaRunner(loaded.model)
+        self._rules = {kind: official_rule(loaded, kind) for kind in ("single", "multi")}
+
+    def describe(self) -> dict[str, Any]:
+        lm = self.loaded
+        return {"path": lm.path, "device": self.device, "dtype": str(lm.dtype).removeprefix("torch."),
+                "tokens_per_page": lm.tokens_per_page, "sliding_window": lm.sliding_window, "mode": self.mode,
+                "k_max": self.k_max, "drafters": list(self.drafter_names) if self.mode == "lossless" else []}
+
+    def free_memory(self) -> None:
+        import gc
+
+        import torch
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def decode(self, images: list, context_limit: int, max_new_tokens: int | None = None,
+               reference_texts: list[str] | None = None, replay_ids: list[int] | None = None) -> ChunkOutput:
+        """reference_texts: known text per page (e.g. the PDF text layer); replay_ids: output ids of an
+        earlier run of the same pages. Both only steer the drafts, never the output."""
+        n = len(images)
+        budget = token_budget(self.loaded, n, context_limit, max_new_tokens)
+        if budget is None:
+            return no_room(n, context_limit)
+        limit, limit_is_room = budget
+        t0 = time.perf_counter()
+        res = self.generate(images, limit, reference_texts, replay_ids)
+        out = assemble(res, n, hit_context=(res.finish_reason != "eos" and limit_is_room))
+        stats = res.extra["speculative"]
+        out.chunk_stats.update(stats, wall_seconds=round(time.perf_counter() - t0, 4))
+        for page in out.pages:
+            share = page.stats["tokens"] / len(res.output_ids) if res.output_ids else 0.0
+            page.stats.update({key: _scaled(stats[key], share) for key in SHARED_STATS}, tau=stats["tau"])
+        return out
+
+    def generate(self, images: list, max_new_tokens: int, reference_texts: list[str] | None = None,
+                 replay_ids: list[int] | None = None) -> DecodeResult:
+        """One decode of ``images`` (1 page: single prompt, else multi), up to ``max_new_tokens``."""
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        loaded, eos = self.loaded, self.loaded.eos_token_id
+        kind = "single" if len(images) == 1 else "multi"
+        t0 = time.perf_counter()
+        inputs = official_inputs(loaded, images, kind)
+        prompt_ids = inputs["input_ids"][0].tolist()
+        rule = NoRepeatNgramRule(*self._rules[kind], prompt_ids)
+        cache, logits = self.runner.prefill(inputs, max_step_tokens=self.k_max + 1)
+        output = [greedy_token(logits, rule.banned())]
+        rule.extend(output)
+        policy = DraftPolicy(self._drafters(kind, reference_texts, replay_ids), self.k_max)
+        times = {"prefill_s": time.perf_counter() - t0, "draft_s": 0.0, "verify_s": 0.0, "single_s": 0.0}
+        rounds = singles = 0
+        while output[-1] != eos and len(output) < max_new_tokens:
+            t = time.perf_counter()
+            name, draft = policy.propose(output, max_new_tokens - len(output) - 1)
+            t_draft = time.perf_counter()
+            emitted = verify(self.runner, cache, rule, output[-1], draft, eos)
+            t_done = time.perf_counter()
+            times["draft_s"] += t_draft - t
+            if draft:
+                policy.record(name, len(draft), len(emitted) - 1)
+                times["verify_s"] += t_done - t_draft
+                rounds += 1
+            else:
+                times["single_s"] += t_done - t_draft
+                singles += 1
+            output += emitted
+            rule.extend(emitted)
+        seconds = time.perf_counter() - t0
+        by_drafter = {name: s.as_dict() for name, s in policy.stats.items()}
+        drafted = sum(s.proposed for s in policy.stats.values())
+        accepted = sum(s.accepted for s in policy.stats.values())
+        stats = {"mode": self.mode, "k_max": self.k_max, "tokens": len(output), "verify_rounds": rounds,
+                 "single_steps": singles, "forwards": 1 + rounds + singles, "draft_tokens": drafted,
+                 "accepted_tokens": accepted, "tau": round(accepted / rounds, 4) if rounds else 0.0,
+                 "drafters": by_drafter, "cache_bytes": cache.nbytes(), "ring_slots": cache.ring_size,
+                 **{key: round(value, 4) for key, value in times.items()}}
+        return DecodeResult(prompt_ids=prompt_ids, output_ids=output,
+                            finish_reason="eos" if output[-1] == eos else "length", seconds=seconds,
+                            text=decode_text(loaded, output), prompt_kind=kind, n_pages=len(images),
+                            ngram_window=self._rules[kind][1], extra={"speculative": stats})
+
+    def _drafters(self, kind: str, reference_texts: list[str] | None, replay_ids: list[int] | None) -> list[Drafter]:
+        """The configured drafters that have what they need for this decode (none in plain mode)."""
+        if self.mode == "plain":
+            return []
+        drafters: list[Drafter] = []
+        for name in self.drafter_names:
+            if name == "reference" and reference_texts:
+                separator = PAGE_SEPARATOR if kind == "multi" else None
+                drafters.append(ReferenceDrafter(self.loaded.tokenizer, reference_texts, separator))
+            elif name == "replay" and replay_ids:
+                drafters.append(ReplayDrafter(replay_ids))
+            elif name == "ngram":
+                drafters.append(NgramDrafter())
+        return drafters
+
+
+def _scaled(value: float, share: float) -> float:
+    return round(value * share, 4) if isinstance(value, float) else round(value * share, 2)
+
+
+def decode_ids(loaded: LoadedModel, images: list, max_new_tokens: int, mode: str = "lossless", k_max: int = 16,
+               drafters: tuple[str, ...] = DRAFTERS, reference_texts: list[str] | None = None,
+               replay_ids: list[int] | None = None) -> list[int]:
+    """Output ids of one decode (EOS included when reached), for tests and benchmarks."""
+    decoder = SpeculativeDecoder(loaded, mode=mode, k_max=k_max, drafters=drafters)
+    return decoder.generate(images, max_new_tokens, reference_texts, replay_ids).output_ids

@@ -1,0 +1,164 @@
+"""CPU benchmark of the decode paths, side by side on the same pages, in one run.
+
+Pages: a synthetic PDF (pymupdf, with a text layer) rendered by `ingest.render.render_pages`; one chunk of
+``--pages`` pages (1 page: single prompt, else multi). Runs, each checked token for token against official:
+- official         transformers generate() (engine.official)
+- plain            engine.speculative, no drafts (one token per forward)
+- lossless         reference drafter fed the PDF text layer, plus the ngram drafter
+- lossless-replay  replay drafter fed the official output ids (a re-run of the same pages)
+- always-wrong     replay drafter fed the official ids shifted by one (every draft token rejected)
+Wall time of each run includes the processor, the vision encoder and the prefill (best of ``--repeat``).
+
+Prints a table, then one JSON line. Usage:
+    python scripts/bench_cpu.py --model models/demo --pages 2 --max-new-tokens 512 --json bench.json
+    python scripts/bench_cpu.py --tiny --pages 3 --max-new-tokens 400
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+import pymupdf
+import torch
+
+WORDS = ("archive register record volume folio entry parish county deed survey estate witness clerk index "
+         "census ledger account total balance payment year month date name place office number page").split()
+
+
+def synthetic_pdf(path: Path, n_pages: int, seed: int = 0) -> Path:
+    """An A4 PDF with a title, paragraphs and a small table per page, all in the text layer."""
+    rng = random.Random(seed)
+    doc = pymupdf.open()
+    for p in range(n_pages):
+        page = doc.new_page(width=595, height=842)
+        lines = [f"Register of records, part {p + 1}"]
+        lines += [" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 12))).capitalize() + "."
+                  for _ in range(14)]
+        lines += ["No.  Name        Year   Amount"]
+        lines += [f"{i + 1:<4} {rng.choice(WORDS):<11} {rng.randint(1850, 1950)}   "
+                  f"{rng.randint(1, 999)}.{rng.randint(0, 99):02d}" for i in range(8)]
+        for i, line in enumerate(lines):
+            page.insert_text((56, 72 + 26 * i), line, fontsize=14 if i == 0 else 11, fontname="helv")
+    doc.save(path)
+    doc.close()
+    return path
+
+
+def first_difference(ids: list[int], reference: list[int]) -> int:
+    """Tokens equal before the first difference (len when identical)."""
+    return next((i for i, (a, b) in enumerate(zip(ids, reference)) if a != b), min(len(ids), len(reference)))
+
+
+def best_of(repeat: int, run):
+    """(result, seconds) of the fastest of ``repeat`` calls of ``run()`` (the CPU is shared and noisy)."""
+    timed = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        result = run()
+        timed.append((time.perf_counter() - start, result))
+    seconds, result = min(timed, key=lambda pair: pair[0])
+    return result, seconds
+
+
+def run_benchmark(model_path: str, n_pages: int, max_new_tokens: int, device: str, dtype: str, k_max: int,
+                  repeat: int = 1) -> dict:
+    from engine.model import load_model
+    from engine.official import official_generate
+    from engine.speculative import SpeculativeDecoder
+    from ingest.render import render_pages
+
+    loaded = load_model(model_path, device, dtype)
+    vocab = loaded.model.config.text_config.vocab_size
+    with tempfile.TemporaryDirectory() as tmp:
+        pdf = synthetic_pdf(Path(tmp) / "bench.pdf", n_pages)
+        rendered = render_pages(pdf, "pdf", 1, n_pages)
+    images = [page.image for page in rendered]
+    texts = [page.text_layer or "" for page in rendered]
+    kind = "single" if n_pages == 1 else "multi"
+
+    official_generate(loaded, images, kind, 8)  # warm-up of both paths (allocator, thread pools, kernels)
+    SpeculativeDecoder(loaded, mode="lossless", k_max=k_max).generate(images, 32, replay_ids=[0] * 32)
+    official, official_seconds = best_of(repeat, partial(official_generate, loaded, images, kind, max_new_tokens))
+    reference = official.output_ids
+    results = {"official": {"tokens": len(reference), "seconds": official_seconds, "forwards": len(reference),
+                            "tau": 0.0, "exact": True, "match_prefix": len(reference)}}
+    runs = {
+        "plain": ("plain", (), {}),
+        "lossless": ("lossless", ("reference", "ngram"), {"reference_texts": texts}),
+        "lossless-replay": ("lossless", ("replay",), {"replay_ids": reference}),
+        "always-wrong": ("lossless", ("replay",), {"replay_ids": [(t + 1) % vocab for t in reference]}),
+    }
+    for name, (mode, drafters, hints) in runs.items():
+        decoder = SpeculativeDecoder(loaded, mode=mode, k_max=k_max, drafters=drafters)
+        res, seconds = best_of(repeat, partial(decoder.generate, images, max_new_tokens, **hints))
+        stats = res.extra["speculative"]
+        results[name] = {"tokens": len(res.output_ids), "seconds": seconds, "forwards": stats["forwards"],
+                         "tau": stats["tau"], "exact": res.output_ids == reference,
+                         "match_prefix": first_difference(res.output_ids, reference),
+                         "time_split": {k: stats[k] for k in ("prefill_s", "draft_s", "verify_s", "single_s")},
+                         "drafters": stats["drafters"]}
+    for row in results.values():
+        row["tokens_per_s"] = round(row["tokens"] / row["seconds"], 2)
+        row["ms_per_forward"] = round(1000 * row["seconds"] / row["forwards"], 3)
+        row["speedup"] = round(official_seconds / row["seconds"], 3)
+        row["seconds"] = round(row["seconds"], 4)
+    return {"model": loaded.name, "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
+            "pages": n_pages, "prompt_tokens": len(official.prompt_ids), "max_new_tokens": max_new_tokens,
+            "k_max": k_max, "sliding_window": loaded.sliding_window, "threads": torch.get_num_threads(),
+            "repeat": repeat, "results": results}
+
+
+def print_table(report: dict) -> None:
+    print(f"{report['model']} on {report['device']} ({report['dtype']}, {report['threads']} threads): "
+          f"{report['pages']} page(s), prompt {report['prompt_tokens']} tokens, window {report['sliding_window']}, "
+          f"k_max {report['k_max']}")
+    header = (f"{'run':<16}{'tokens':>7}{'seconds':>9}{'tok/s':>9}{'ms/fwd':>9}{'forwards':>9}{'tau':>7}"
+              f"{'speedup':>9}  exact")
+    print(header)
+    print("-" * len(header))
+    for name, r in report["results"].items():
+        exact = "yes" if r["exact"] else f"NO (first {r['match_prefix']} equal)"
+        print(f"{name:<16}{r['tokens']:>7}{r['seconds']:>9.2f}{r['tokens_per_s']:>9.1f}{r['ms_per_forward']:>9.2f}"
+              f"{r['forwards']:>9}{r['tau']:>7.2f}{r['speedup']:>8.2f}x  {exact}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="model folder (or cached hub id)")
+    source.add_argument("--tiny", action="store_true", help="build a tiny random model on the fly (window 128)")
+    parser.add_argument("--pages", type=int, default=1)
+    parser.add_argument("--max-new-tokens", type=int, default=400)
+    parser.add_argument("--k-max", type=int, default=16)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--repeat", type=int, default=1, help="time each run this many times, keep the fastest")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--json", type=Path, help="also write the report here")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_path = args.model
+        if args.tiny:
+            from engine.tiny import build_tiny_model
+
+            model_path = str(build_tiny_model(Path(tmp) / "tiny", sliding_window=128))
+        report = run_benchmark(model_path, args.pages, args.max_new_tokens, args.device, args.dtype, args.k_max,
+                               args.repeat)
+    print_table(report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, separators=(",", ":")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
