@@ -1,0 +1,1 @@
+"""Project scripts (benchmarks, training, data generation). A package so that tests can import them."""
