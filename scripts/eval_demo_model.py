@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""Evaluate a (demo) Unlimited-OCR model on held-out synthetic documents through the official decode path.
+
+    python3 scripts/eval_demo_model.py --model models/demo [--pages 50 --chunks 10 --office 1] [--device cpu]
+
+1. single pages: N held-out synthetic pages (seeds never used in training), `document parsing.`; character
+   error rate against the labels' text (markup, boxes and table tags stripped, whitespace collapsed);
+   how many pages ended at the token limit instead of EOS.
+2. 4-page chunks: `Multi page parsing.`; is every page separated (`<PAGE>` count == 4), CER per page.
+3. plain office print: 16 pt Helvetica paragraphs on an A4 page made with pymupdf (insert_textbox).
+Pages are rendered like the project renders PDFs (longer side 1024 px) and decoded with
+`engine.official.official_generate`. Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from scripts.demo_model import levenshtein  # noqa: E402
+from scripts.synth import HELD_OUT_LIMIT, make_document, render_pages, strip_markup  # noqa: E402
+from scripts.synth.text import paragraph  # noqa: E402
+
+RENDER_PX = 1024  # ingest/render.py DEFAULT_TARGET_PX
+
+
+def zen_of_python() -> str:
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):  # `import this` prints the Zen; its text is rot13 in this.s
+        import this  # noqa: F401
+    return codecs.decode(sys.modules["this"].s, "rot13")
+
+
+def office_pdf(k: int) -> tuple[bytes, str]:
+    """An A4 page of 16 pt Helvetica paragraphs (made with pymupdf) and its text."""
+    import random
+
+    import pymupdf
+
+    if k == 0:
+        lines = [ln for ln in zen_of_python().splitlines()[2:] if ln.strip()]
+        paras = [" ".join(lines[i : i + 7]) for i in range(0, len(lines), 7)]
+    else:
+        rng = random.Random(990_000 + k)
+        paras = [paragraph(rng, 220) for _ in range(3)]
+    text = "\n\n".join(paras)
+    doc = pymupdf.open()
+    page = doc.new_page(width=595, height=842)
+    left = page.insert_textbox(pymupdf.Rect(72, 72, 523, 770), text, fontsize=16, fontname="helv")
+    if left < 0:
+        raise RuntimeError("office text does not fit the page")
+    data = doc.tobytes()
+    doc.close()
+    return data, text
+
+
+class Scorer:
+    def __init__(self):
+        self.rows = []
+
+    def add(self, kind, name, pred, ref, finish, tokens, seconds, note=""):
+        p, r = strip_markup(pred), strip_markup(ref)
+        edits = levenshtein(p, r)
+        self.rows.append(dict(kind=kind, name=name, cer=edits / max(1, len(r)), edits=edits, chars=len(r),
+                              finish=finish, tokens=tokens, seconds=seconds, note=note))
+
+    def summary(self, kind):
+        rows = [r for r in self.rows if r["kind"] == kind]
+        if not rows:
+            return None
+        return {"n": len(rows), "cer_mean": sum(r["cer"] for r in rows) / len(rows),
+                "cer_total": sum(r["edits"] for r in rows) / max(1, sum(r["chars"] for r in rows)),
+                "length_limit": sum(r["finish"] != "eos" for r in rows),
+                "tokens_mean": sum(r["tokens"] for r in rows) / len(rows),
+                "seconds_mean": sum(r["seconds"] for r in rows) / len(rows)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(ROOT / "models" / "demo"))
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--pages", type=int, default=50, help="held-out single pages")
+    ap.add_argument("--chunks", type=int, default=10, help="held-out 4-page chunks")
+    ap.add_argument("--office", type=int, default=1, help="office-print pages (16 pt Helvetica)")
+    ap.add_argument("--seed0", type=int, default=800_000, help="first held-out seed (< 1,000,000)")
+    ap.add_argument("--max-new-tokens", type=int, default=1500, help="per page")
+    ap.add_argument("--json", help="also write the full record (all rows) here")
+    ap.add_argument("--verbose", action="store_true", help="print each page's output")
+    args = ap.parse_args(argv)
+    if args.seed0 + 10_000 + args.chunks > HELD_OUT_LIMIT:
+        ap.error("held-out seeds must stay below 1,000,000")
+
+    from engine.model import load_model
+    from engine.official import official_generate, split_pages
+
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    sc = Scorer()
+    chunk_ok = 0
+    t0 = time.time()
+    for k in range(args.pages):
+        pdf, labels = make_document(args.seed0 + k, 1)
+        res = official_generate(loaded, render_pages(pdf, RENDER_PX), "single", args.max_new_tokens)
+        sc.add("page", f"seed {args.seed0 + k}", res.text, labels[0], res.finish_reason, len(res.output_ids),
+               res.seconds)
+        if args.verbose:
+            print(f"--- seed {args.seed0 + k} cer {sc.rows[-1]['cer']:.3f}\n{res.text}\n", flush=True)
+    for k in range(args.chunks):
+        seed = args.seed0 + 10_000 + k
+        pdf, labels = make_document(seed, 4)
+        res = official_generate(loaded, render_pages(pdf, RENDER_PX), "multi", 4 * args.max_new_tokens)
+        pages = split_pages(res.text)
+        ok = len(pages) == 4 and res.text.lstrip().startswith("<PAGE>")
+        chunk_ok += ok
+        per = res.seconds / 4
+        if len(pages) == 4:
+            for i in range(4):
+                sc.add("chunk", f"seed {seed} p{i + 1}", pages[i], labels[i], res.finish_reason, len(res.output_ids) // 4,
+                       per)
+        else:
+            sc.add("chunk", f"seed {seed} (pages {len(pages)})", " ".join(pages), " ".join(labels), res.finish_reason,
+                   len(res.output_ids), res.seconds, note=f"{len(pages)} pages")
+    for k in range(args.office):
+        pdf, text = office_pdf(k)
+        res = official_generate(loaded, render_pages(pdf, RENDER_PX), "single", args.max_new_tokens)
+        sc.add("office", f"office {k}", res.text, text, res.finish_reason, len(res.output_ids), res.seconds)
+        if args.verbose:
+            print(f"--- office {k} cer {sc.rows[-1]['cer']:.3f}\n{res.text}\n", flush=True)
+
+    summary = {kind: sc.summary(kind) for kind in ("page", "chunk", "office")}
+    if summary["chunk"]:
+        summary["chunk"]["separated"] = f"{chunk_ok}/{args.chunks}"
+    print(f"\nmodel {loaded.path} on {loaded.device} ({loaded.dtype}), {time.time() - t0:.0f}s")
+    print(f"{'set':<8} {'n':>4} {'CER mean':>9} {'CER total':>10} {'hit limit':>9} {'tokens':>7} {'s/page':>7}  extra")
+    for kind, s in summary.items():
+        if s:
+            extra = f"pages separated {s['separated']}" if kind == "chunk" else ""
+            print(f"{kind:<8} {s['n']:>4} {s['cer_mean']:>9.4f} {s['cer_total']:>10.4f} {s['length_limit']:>9} "
+                  f"{s['tokens_mean']:>7.0f} {s['seconds_mean']:>7.2f}  {extra}")
+    record = {"model": loaded.path, "device": str(loaded.device), "dtype": str(loaded.dtype), **summary}
+    if args.json:
+        Path(args.json).write_text(json.dumps({**record, "rows": sc.rows}, indent=1))
+    print(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,590 @@
+#!/usr/bin/env python3
+"""Train the demo Unlimited-OCR model from scratch on synthetic documents (one GPU, a fixed time budget).
+
+    python3 scripts/train_demo_model.py --out models/demo --minutes 8          # GPU run (see docs/demo_model_training.md)
+    python3 scripts/train_demo_model.py --overfit-test                         # CPU: 8 word images must be read
+    python3 scripts/train_demo_model.py --check-rswa                           # R-SWA scoring == generate()
+    python3 scripts/train_demo_model.py --preset tiny --minutes 1 --out /tmp/d # CPU pipeline smoke run
+
+Recipe (DESIGN section 3): the vision tower is initialised normally (not SAM's 1e-10 default) and kept frozen at
+its random init for the first `--freeze-frac` of the time while the decoder and projector learn to read its
+features; then it is unfrozen at a 10x lower learning rate. Samples are 1 page (`document parsing.`) or 2-4
+pages (`Multi page parsing.`, `<PAGE>` before each page), scored with the R-SWA mask (prefix global, output
+window 128). DataLoader workers render pages on the fly from training seeds (>= 1,000,000); held-out seeds
+(< 1,000,000) are never used for training. A replay buffer keeps the GPU busy if the workers fall behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import queue
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from engine.official import official_generation_config  # noqa: E402
+from scripts import demo_model as dm  # noqa: E402
+from scripts.synth import HELD_OUT_LIMIT, PAGE_SEPARATOR, page_arrays, strip_markup  # noqa: E402
+
+START = time.time()
+
+
+def log(msg: str, **fields) -> None:
+    line = f"[{time.time() - START:7.1f}s] {msg}"
+    if fields:
+        line += " " + json.dumps(fields, default=lambda v: round(v, 4) if isinstance(v, float) else str(v))
+    print(line, flush=True)
+
+
+# ---------------------------------------------------------------- data
+class PageStream(torch.utils.data.IterableDataset):
+    """Endless pages from training seeds: (uint8 [S, S], int32 label ids). Worker w of n takes document seeds
+    seed_base + w, + w + n, ...; documents have 1-3 pages; difficulty is read from a shared value."""
+
+    def __init__(self, tokenizer_json: str, size: int, scan_prob: float, seed_base: int, difficulty, kind="document",
+                 chars: bool = True):
+        self.tokenizer_json, self.size, self.scan_prob = tokenizer_json, size, scan_prob
+        self.seed_base, self.difficulty, self.kind, self.chars = seed_base, difficulty, kind, chars
+
+    def __iter__(self):
+        from tokenizers import Tokenizer
+
+        torch.set_num_threads(1)
+        tok = Tokenizer.from_str(self.tokenizer_json)
+        info = torch.utils.data.get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        k = 0
+        while True:
+            seed = self.seed_base + wid + nw * k
+            k += 1
+            d = float(self.difficulty.value)
+            for arr, label, grid in page_arrays(seed, 1 + seed % 3, self.size, self.scan_prob * d, d, self.kind,
+                                                chars=True):
+                ids = tok.encode(label, add_special_tokens=False).ids
+                yield torch.from_numpy(arr.copy()), torch.tensor(ids, dtype=torch.int32), char_tensor(grid, self.size)
+
+
+def char_tensor(grid, size: int) -> torch.Tensor:
+    """int16 [size // 16, size // 8] character classes; -1 everywhere (ignored) when the page has no grid."""
+    if grid is None:
+        return torch.full((size // 16, size // 8), -1, dtype=torch.int16)
+    return torch.from_numpy(grid.astype("int16"))
+
+
+class PagePool:
+    """Fresh pages from the DataLoader (pulled by a thread) plus a ring buffer of recent pages for replay."""
+
+    def __init__(self, loader, capacity: int, seed: int, queue_pages: int = 512):
+        self.q: queue.Queue = queue.Queue(maxsize=queue_pages)  # bounded: idle workers when the GPU is slower
+        self.buf: list = []
+        self.capacity, self.pos = capacity, 0
+        self.rng = random.Random(seed)
+        self.fresh_used = self.replayed = 0
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.it = iter(loader)
+        self.thread = threading.Thread(target=self._pull, daemon=True)
+        self.thread.start()
+
+    def _pull(self):
+        try:
+            for item in self.it:
+                while not self.stop.is_set():
+                    try:
+                        self.q.put(item, timeout=0.5)
+                        break
+                    except queue.Full:
+                        continue
+                if self.stop.is_set():
+                    return
+        except BaseException as exc:  # noqa: BLE001 - a dead data worker: train on from the replay buffer
+            self.error = exc
+            log("data workers failed; continuing from the replay buffer", error=f"{type(exc).__name__}: {exc}")
+
+    def _get(self):
+        while True:
+            try:
+                return self.q.get(timeout=1.0)
+            except queue.Empty:
+                if self.error is not None or not self.thread.is_alive():
+                    if self.buf:
+                        return None
+                    raise RuntimeError(f"no training data: {self.error!r}")
+
+    def close(self) -> None:
+        """Stop the pulling thread and the DataLoader workers (frees the CPUs for evaluation and saving)."""
+        self.stop.set()
+        self.thread.join(timeout=10)
+        shutdown = getattr(self.it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        self.it = None
+
+    def _add(self, item):
+        if len(self.buf) < self.capacity:
+            self.buf.append(item)
+        else:
+            self.buf[self.pos] = item
+            self.pos = (self.pos + 1) % self.capacity
+
+    def take(self, n: int, wait_min: int = 0) -> list:
+        out = []
+        while len(self.buf) + len(out) < max(n, wait_min):
+            item = self._get()
+            if item is None:
+                break
+            out.append(item)
+        while len(out) < n:
+            try:
+                out.append(self.q.get_nowait())
+            except queue.Empty:
+                break
+        for item in out:
+            self._add(item)
+        self.fresh_used += len(out)
+        self.replayed += n - len(out)
+        return out + [self.rng.choice(self.buf) for _ in range(n - len(out))]
+
+
+def make_batch(pages: list, n_pages: int, prompt: list[int], page_sep: int, eos: int, pad: int, device):
+    """Samples of n_pages consecutive entries of `pages` ((pixels, ids[, char grid]) each) -> input ids [B, T]
+    (right-padded), lengths, pixels [N, S, S] and, when the pages carry them, character grids [N, S/16, S/8]
+    (-100 = ignore)."""
+    seqs = []
+    for i in range(0, len(pages), n_pages):
+        chunk = pages[i : i + n_pages]
+        target: list[int] = []
+        for _, ids, *_ in chunk:
+            if n_pages > 1:
+                target.append(page_sep)
+            target += ids.tolist()
+        seqs.append(prompt + target + [eos])
+    T = -(-max(len(s) for s in seqs) // 16) * 16  # a multiple of 16 suits the attention kernels
+    ids = torch.full((len(seqs), T), pad, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, : len(s)] = torch.tensor(s)
+    lengths = torch.tensor([len(s) for s in seqs])
+    pixels = torch.stack([p[0] for p in pages])
+    batch = (ids.to(device, non_blocking=True), lengths.to(device), pixels.to(device, non_blocking=True))
+    if all(len(p) > 2 for p in pages):
+        grids = torch.stack([p[2] for p in pages]).to(device, non_blocking=True).long()
+        return batch + (grids.masked_fill(grids < 0, -100),)
+    return batch + (None,)
+
+
+def loss_fn(model, ids, lengths, pixels, prefix_len, window, grad_vision, pixel_dtype, aux_head=None, grids=None):
+    """Mean cross-entropy of the output tokens (prefix and padding excluded) under the R-SWA mask, its token
+    accuracy, and the auxiliary character loss (0 without aux_head / grids)."""
+    T = ids.shape[1]
+    if aux_head is not None:
+        aux_head.active = True
+    logits, tokens = dm.score(model, ids, dm.pixels_from_uint8(pixels, pixel_dtype), prefix_len, window,
+                              grad_vision=grad_vision, keep=T - prefix_len + 1, return_tokens=True)
+    if aux_head is not None:
+        aux_head.active = False
+    logits = logits[:, :-1].float()
+    targets = ids[:, prefix_len:]
+    valid = torch.arange(prefix_len, T, device=ids.device)[None] < lengths[:, None]
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+    valid_f = valid.reshape(-1).float()
+    acc = ((logits.argmax(-1) == targets) & valid).sum() / valid.sum()
+    aux = torch.zeros((), device=ids.device)
+    if aux_head is not None and grids is not None and (grids > 0).any():
+        aux = aux_head.loss(tokens, grids)
+    elif aux_head is not None:
+        aux_head._sam_out = None
+    return (loss * valid_f).sum() / valid_f.sum(), acc, aux
+
+
+# ---------------------------------------------------------------- greedy decoding (official rule)
+def greedy(model, tokenizer, pages_u8: torch.Tensor, n_pages: int, tpp: int, max_new_tokens: int,
+           pixel_dtype=torch.float32, max_time: float | None = None) -> list[list[int]]:
+    """Official greedy decode (no-repeat-ngram 35, window 128/1024) of a batch of samples with n_pages pages each.
+    pages_u8: [B * n_pages, S, S]. All prompts have the same length, so no padding is needed."""
+    device = next(model.parameters()).device
+    prompt = dm.prompt_ids(tokenizer, n_pages, tpp)
+    B = pages_u8.shape[0] // n_pages
+    ids = torch.tensor([prompt] * B, device=device)
+    ns = SimpleNamespace(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    config = official_generation_config(ns, "single" if n_pages == 1 else "multi", max_new_tokens)
+    if max_time:
+        config.max_time = max_time  # a time box for evaluation during training (stops all rows)
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             pixel_values=dm.pixels_from_uint8(pages_u8.to(device), pixel_dtype),
+                             generation_config=config)
+    result = []
+    for row in out[:, len(prompt):].tolist():
+        if tokenizer.eos_token_id in row:
+            row = row[: row.index(tokenizer.eos_token_id) + 1]
+        result.append(row)
+    return result
+
+
+def decoded_text(tokenizer, ids: list[int]) -> str:
+    drop = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id}
+    return tokenizer.decode([i for i in ids if i not in drop], skip_special_tokens=False)
+
+
+def held_out_pages(n: int, size: int, seed0: int, n_pages: int = 1, kind="document"):
+    """n documents of n_pages pages from held-out seeds (< HELD_OUT_LIMIT), difficulty 1."""
+    assert seed0 + n <= HELD_OUT_LIMIT
+    docs = [page_arrays(seed0 + k, n_pages, size, 0.0, 1.0, kind) for k in range(n)]
+    return docs
+
+
+def greedy_cer(model, tokenizer, docs, tpp, pixel_dtype, max_new_per_page=900, max_time=None):
+    """Mean CER and page-count agreement of greedy outputs of held-out documents (batched)."""
+    n_pages = len(docs[0])
+    pages = torch.stack([torch.from_numpy(a) for d in docs for a, _ in d])
+    longest = max(len(tokenizer.encode(lbl, add_special_tokens=False)) for d in docs for _, lbl in d)
+    outs = greedy(model, tokenizer, pages, n_pages, tpp, min(max_new_per_page, longest + 64) * n_pages, pixel_dtype,
+                  max_time)
+    cers, ok_pages, ended = [], 0, 0
+    for d, out in zip(docs, outs):
+        text = decoded_text(tokenizer, out)
+        ended += bool(out) and out[-1] == tokenizer.eos_token_id
+        if n_pages > 1:
+            parts = [p for p in text.split(PAGE_SEPARATOR)]
+            parts = parts[1:] if parts and not parts[0].strip() else parts
+            ok_pages += len(parts) == n_pages
+            text = " ".join(parts)
+        cers.append(dm.cer(strip_markup(text), strip_markup(" ".join(lbl for _, lbl in d))))
+    return {"cer": sum(cers) / len(cers), "eos": ended / len(docs), "pages_ok": ok_pages / len(docs),
+            "sample": decoded_text(tokenizer, outs[0])[:160]}
+
+
+# ---------------------------------------------------------------- training
+def autocast_factory(cuda: bool):
+    """A function returning a fresh autocast context: bf16 on the GPU, nothing on the CPU."""
+    return (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else \
+        (lambda: torch.autocast("cpu", enabled=False))
+
+
+def lr_factor(step: int, frac: float, warmup: int, floor: float = 0.05) -> float:
+    return min(1.0, (step + 1) / warmup) * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def build_or_resume(args, device):
+    """(model, tokenizer, image_size, resumed_state)."""
+    state = None
+    if args.resume:
+        path = Path(args.resume)
+        if path.is_dir():
+            from transformers import AutoTokenizer, UnlimitedOcrForConditionalGeneration
+
+            model = UnlimitedOcrForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            size = json.loads((path / "processor_config.json").read_text())["image_processor"]["size"]["height"]
+            log("resumed weights", path=str(path))
+            return model.to(device), tokenizer, size, {"vision_unfrozen": True}
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        from transformers import PreTrainedTokenizerFast, UnlimitedOcrConfig, UnlimitedOcrForConditionalGeneration
+        from tokenizers import Tokenizer
+
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(state["tokenizer"]), **state["tok_kw"])
+        model = UnlimitedOcrForConditionalGeneration(UnlimitedOcrConfig.from_dict(state["config"]))
+        model.load_state_dict(state["model"])
+        log("resumed training state", path=str(path), step=state["step"])
+        return model.to(device), tokenizer, state["image_size"], state
+    preset = dm.PRESETS[args.preset]
+    t = time.time()
+    tokenizer = dm.build_tokenizer(dm.tokenizer_corpus(args.tokenizer_docs), preset["vocab"])
+    log("tokenizer trained", vocab=len(tokenizer), seconds=time.time() - t)
+    model = dm.new_model(dm.make_config(tokenizer, args.preset), seed=args.seed)
+    return model.to(device), tokenizer, preset["image_size"], None
+
+
+def vision_params(model):
+    return list(model.model.vision_tower.parameters())
+
+
+def train(args) -> dict:
+    deadline = START + args.minutes * 60
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True
+    torch.manual_seed(args.seed)
+    model, tokenizer, size, state = build_or_resume(args, device)
+    tpp = dm.tokens_per_page(size)
+    window = model.config.text_config.sliding_window
+    n_params = sum(p.numel() for p in model.parameters())
+    log("model", params=n_params, image_size=size, tokens_per_page=tpp, window=window, device=str(device))
+    experts = dm.set_experts_implementation(model, "grouped_mm") if cuda else "eager"
+
+    difficulty = mp.Value("d", args.start_difficulty if state is None else 1.0)
+    stream = PageStream(tokenizer.backend_tokenizer.to_str(), size, args.scan_prob,
+                        HELD_OUT_LIMIT + args.seed * 100_000_000 + (state or {}).get("step", 0) * 1000, difficulty,
+                        args.kind)
+    ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
+    loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=args.workers,
+                                         prefetch_factor=8 if args.workers else None, multiprocessing_context=ctx,
+                                         persistent_workers=False)
+    pool = PagePool(loader, args.buffer_pages, args.seed)
+
+    pixel_dtype = torch.bfloat16 if cuda else torch.float32
+    amp = autocast_factory(cuda)
+    vis = set(id(p) for p in vision_params(model))
+    decay = [p for p in model.parameters() if id(p) not in vis and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if id(p) not in vis and p.ndim < 2]
+    vis_decay = [p for p in vision_params(model) if p.ndim >= 2]
+    vis_no_decay = [p for p in vision_params(model) if p.ndim < 2]
+    groups = [dict(params=decay, weight_decay=args.weight_decay, base=args.lr),
+              dict(params=no_decay, weight_decay=0.0, base=args.lr),
+              dict(params=vis_decay, weight_decay=args.weight_decay, base=args.lr * args.vision_lr_ratio, vision=True),
+              dict(params=vis_no_decay, weight_decay=0.0, base=args.lr * args.vision_lr_ratio, vision=True)]
+    aux_head = None
+    if args.aux_weight > 0:
+        from scripts.synth.text import N_CHAR_CLASSES
+
+        aux_head = dm.AuxHeads(model, N_CHAR_CLASSES).to(device)
+        groups.append(dict(params=list(aux_head.parameters()), weight_decay=0.0, base=args.lr))
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if cuda else {}))
+    step, unfrozen_at = 0, None
+    if state is not None and "step" in state:
+        step = state["step"]
+        if aux_head is not None and state.get("aux"):
+            aux_head.load_state_dict(state["aux"])
+        if len(state["optimizer"]["param_groups"]) == len(groups):
+            opt.load_state_dict(state["optimizer"])
+    vision_unfrozen = bool(state and state.get("vision_unfrozen"))
+    for p in vision_params(model):
+        p.requires_grad_(vision_unfrozen)
+    if vision_unfrozen:
+        unfrozen_at = step
+
+    eval_docs = held_out_pages(args.eval_pages, size, 900_000, kind=args.kind)
+    tf_docs = held_out_pages(16, size, 910_000, kind=args.kind)
+    tf_pages = [(torch.from_numpy(a), torch.tensor(tokenizer.encode(lbl, add_special_tokens=False))) for d in tf_docs
+                for a, lbl in d]
+    page_sep, eos, pad = tokenizer.convert_tokens_to_ids(PAGE_SEPARATOR), tokenizer.eos_token_id, tokenizer.pad_token_id
+    prompts = {n: dm.prompt_ids(tokenizer, n, tpp) for n in range(1, 5)}
+    train_end = deadline - args.reserve_seconds
+    train_start = time.time()
+    first_step = step
+    log("training", until_s=round(train_end - START, 1), experts=experts, workers=args.workers)
+    history, last_eval, last_log, t_loss, t_acc, t_n = [], time.time(), time.time(), 0.0, 0.0, 0
+    last_greedy, t_aux = time.time(), 0.0
+    rng = random.Random(args.seed + step)
+    warm_wait = args.pages_per_step
+    last_save, error = time.time(), None
+
+    def save(final: bool = False) -> dict:
+        files = dm.save_model(model, tokenizer, Path(args.out), size)
+        log("saved" if final else "saved (intermediate)", out=args.out, step=step, files=len(files),
+            mbytes=sum(p.stat().st_size for p in files) / 2**20)
+        return {p.name: p.stat().st_size for p in files}
+
+    try:
+        while time.time() < train_end:
+            frac = (time.time() - train_start) / max(1.0, train_end - train_start)
+            difficulty.value = 1.0 if state is not None else \
+                min(1.0, args.start_difficulty + (1 - args.start_difficulty) * frac / args.curriculum_frac)
+            if not vision_unfrozen and frac >= args.freeze_frac:
+                vision_unfrozen, unfrozen_at = True, step
+                for p in vision_params(model):
+                    p.requires_grad_(True)
+                log("vision tower unfrozen", step=step, lr_ratio=args.vision_lr_ratio)
+            multi = args.multi_frac * min(1.0, 0.5 + frac)
+            n_pages = 1 if rng.random() >= multi else rng.choice([2, 3, 4])
+            per = max(1, args.pages_per_step // n_pages)
+            pages = pool.take(per * n_pages, wait_min=warm_wait)
+            warm_wait = 0
+            ids, lengths, pixels, grids = make_batch(pages, n_pages, prompts[n_pages], page_sep, eos, pad, device)
+            for g in opt.param_groups:
+                if g.get("vision"):
+                    f = 0.0 if not vision_unfrozen else lr_factor(step - unfrozen_at, frac, args.vision_warmup)
+                else:
+                    f = lr_factor(step - first_step, frac, args.warmup)
+                g["lr"] = g["base"] * f
+            model.train()
+            try:
+                with amp():
+                    loss, acc, aux = loss_fn(model, ids, lengths, pixels, len(prompts[n_pages]), window,
+                                             vision_unfrozen, pixel_dtype, aux_head, grids)
+                opt.zero_grad(set_to_none=True)
+                (loss + args.aux_weight * aux).backward()
+            except torch.cuda.OutOfMemoryError:
+                opt.zero_grad(set_to_none=True)
+                loss = acc = None
+                torch.cuda.empty_cache()
+                log("out of memory: batch skipped", n_pages=n_pages, shape=list(ids.shape))
+                continue
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            step += 1
+            t_loss, t_acc, t_n = t_loss + loss.detach(), t_acc + acc.detach(), t_n + 1
+            t_aux = t_aux + aux.detach()
+            now = time.time()
+            if now - last_log >= args.log_every:
+                log("train", step=step, loss=float(t_loss) / t_n, tok_acc=float(t_acc) / t_n,
+                    aux_loss=float(t_aux) / t_n, difficulty=difficulty.value, lr=opt.param_groups[0]["lr"],
+                    fresh=pool.fresh_used, replayed=pool.replayed, steps_per_s=t_n / (now - last_log))
+                last_log, t_loss, t_acc, t_aux, t_n = now, 0.0, 0.0, 0.0, 0
+            if now - last_eval >= args.eval_every and now + 30 < train_end:
+                do_greedy = now - last_greedy >= args.greedy_every
+                history.append(evaluate(model, tokenizer, tf_pages, eval_docs, tpp, window, prompts, page_sep, eos,
+                                        pad, device, amp, pixel_dtype, step,
+                                        greedy_pages=args.eval_pages if do_greedy else 0))
+                last_eval = time.time()
+                last_greedy = last_eval if do_greedy else last_greedy
+            if args.out and args.save_every and time.time() - last_save >= args.save_every \
+                    and time.time() + 60 < train_end:
+                save()
+                last_save = time.time()
+    except Exception as exc:  # noqa: BLE001 - keep what was learned: evaluate and save, then fail
+        import traceback
+
+        traceback.print_exc()
+        error = f"{type(exc).__name__}: {exc}"
+        log("training stopped by an error; saving what there is", error=error)
+    log("training done", step=step, seconds=time.time() - train_start)
+    pool.close()
+    pool_stats = {"fresh_pages": pool.fresh_used, "replayed_pages": pool.replayed}
+    left = deadline - time.time()
+    try:
+        final = evaluate(model, tokenizer, tf_pages, eval_docs, tpp, window, prompts, page_sep, eos, pad, device,
+                         amp, pixel_dtype, step, greedy_pages=args.eval_pages, multi=left > 60,
+                         max_time=max(5.0, min(25.0, (left - 15) / 2)))
+    except Exception as exc:  # noqa: BLE001
+        final = {"error": f"{type(exc).__name__}: {exc}"}
+        log("final evaluation failed", **final)
+    record = {"steps": step, "params": n_params, "image_size": size, "tokens_per_page": tpp, "preset": args.preset,
+              "minutes": args.minutes, "train_seconds": time.time() - train_start, **pool_stats, "final": final,
+              "history": history, "device": torch.cuda.get_device_name() if cuda else "cpu",
+              "torch": torch.__version__, "error": error}
+    if args.out:
+        record["files"] = save(final=True)
+    if args.state:
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                    "config": model.config.to_dict(), "tokenizer": tokenizer.backend_tokenizer.to_str(),
+                    "tok_kw": dict(bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
+                                   pad_token=tokenizer.pad_token,
+                                   additional_special_tokens=list(dm.CONTROL_TOKENS), model_max_length=32768),
+                    "image_size": size, "vision_unfrozen": vision_unfrozen,
+                    "aux": aux_head.state_dict() if aux_head is not None else None}, args.state)
+        log("saved training state", path=args.state)
+    print("RESULT " + json.dumps({k: v for k, v in record.items() if k != "history"}, default=str), flush=True)
+    if error:
+        raise SystemExit(1)
+    return record
+
+
+def evaluate(model, tokenizer, tf_pages, eval_docs, tpp, window, prompts, page_sep, eos, pad, device, amp,
+             pixel_dtype, step, greedy_pages=6, multi=False, max_time=20.0):
+    """Teacher-forced loss / token accuracy on 16 held-out pages, greedy CER on a few held-out pages."""
+    t = time.time()
+    model.eval()
+    with torch.no_grad(), amp():
+        ids, lengths, pixels, _ = make_batch(tf_pages, 1, prompts[1], page_sep, eos, pad, device)
+        loss, acc, _ = loss_fn(model, ids, lengths, pixels, len(prompts[1]), window, False, pixel_dtype)
+    out = {"step": step, "heldout_loss": loss.item(), "heldout_tok_acc": acc.item()}
+    if greedy_pages:
+        with amp():
+            out.update({f"greedy_{k}": v for k, v in greedy_cer(model, tokenizer, eval_docs[:greedy_pages], tpp,
+                                                                 pixel_dtype, max_time=max_time).items()})
+        if multi:
+            docs4 = held_out_pages(2, model_image_size(model), 920_000, n_pages=4)
+            with amp():
+                out.update({f"multi4_{k}": v for k, v in greedy_cer(model, tokenizer, docs4, tpp, pixel_dtype,
+                                                                    max_time=max_time).items() if k != "sample"})
+    out["seconds"] = time.time() - t
+    log("eval", **out)
+    model.train()
+    return out
+
+
+def model_image_size(model) -> int:
+    return model.config.vision_config.sam_config.image_size
+
+
+# ---------------------------------------------------------------- checks
+def check_rswa(args) -> None:
+    """Teacher-forced scoring with the R-SWA mask reproduces generate()'s greedy tokens at every position, for a
+    single page and a 2-page prompt, alone and inside a right-padded batch; full causal scoring does not."""
+    from scripts.checks import run_check_rswa
+
+    run_check_rswa(args, log)
+
+
+def overfit_test(args) -> None:
+    from scripts.checks import run_overfit_test
+
+    ok = run_overfit_test(args, log)
+    sys.exit(0 if ok else 1)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="model folder to write (config, safetensors, tokenizer, processor)")
+    ap.add_argument("--minutes", type=float, default=8.0, help="total wall-clock budget of this run, start to saved")
+    ap.add_argument("--preset", default="demo", choices=sorted(dm.PRESETS))
+    ap.add_argument("--resume", help="a model folder (weights only) or a --state file (weights + optimizer)")
+    ap.add_argument("--state", help="also save the full training state (.pt) here, for --resume")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workers", type=int, default=min(14, max(1, (os.cpu_count() or 2) - 2)))
+    ap.add_argument("--pages-per-step", type=int, default=48)
+    ap.add_argument("--buffer-pages", type=int, default=6000)
+    ap.add_argument("--lr", type=float, default=1.5e-3)
+    ap.add_argument("--vision-lr-ratio", type=float, default=0.1)
+    ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--warmup", type=int, default=150)
+    ap.add_argument("--vision-warmup", type=int, default=100)
+    ap.add_argument("--freeze-frac", type=float, default=0.3, help="share of the time with the vision tower frozen")
+    ap.add_argument("--aux-weight", type=float, default=0.0,
+                    help="weight of the auxiliary character-grid loss on the vision tokens (0 = off)")
+    ap.add_argument("--start-difficulty", type=float, default=0.0)
+    ap.add_argument("--curriculum-frac", type=float, default=0.4, help="difficulty reaches 1 at this share of time")
+    ap.add_argument("--multi-frac", type=float, default=0.4, help="share of steps with 2-4 page samples")
+    ap.add_argument("--scan-prob", type=float, default=0.2)
+    ap.add_argument("--kind", default="document", choices=["document", "words"],
+                    help="training pages: synthetic documents, or 1-3 big words (a quick learnability probe)")
+    ap.add_argument("--tokenizer-docs", type=int, default=1500)
+    ap.add_argument("--eval-every", type=float, default=60.0, help="seconds between teacher-forced held-out evals")
+    ap.add_argument("--greedy-every", type=float, default=150.0, help="seconds between greedy held-out CER evals")
+    ap.add_argument("--eval-pages", type=int, default=8, help="held-out pages decoded greedily per eval")
+    ap.add_argument("--log-every", type=float, default=30.0)
+    ap.add_argument("--save-every", type=float, default=150.0,
+                    help="seconds between intermediate saves to --out (a killed run still leaves a model)")
+    ap.add_argument("--reserve-seconds", type=float, default=75.0, help="kept for the final evaluation and saving")
+    ap.add_argument("--check-rswa", action="store_true")
+    ap.add_argument("--overfit-test", action="store_true")
+    ap.add_argument("--steps", type=int, default=300, help="--overfit-test: optimizer steps")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.check_rswa:
+        check_rswa(args)
+    elif args.overfit_test:
+        overfit_test(args)
+    else:
+        if not args.out and not args.state:
+            sys.exit("--out DIR is required (or --state FILE)")
+        train(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""The synthetic document generator (scripts/synth): determinism, label format, density, text layer, scans."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pymupdf
+import pytest
+
+from scripts.synth import (HELD_OUT_LIMIT, join_pages, layout_labels, make_document, page_arrays, render_pages,
+                           strip_markup)
+
+ELEMENT = re.compile(r"^<\|det\|>(\w+) \[(\d+), (\d+), (\d+), (\d+)\]<\|/det\|>(.*)$", re.DOTALL)
+LABELS = {"title", "sub_title", "text", "list", "table", "header", "footer"}
+
+
+def _elements(label: str) -> list[tuple]:
+    parts = label.split("<|det|>")[1:]
+    out = []
+    for part in parts:
+        m = ELEMENT.match("<|det|>" + part.rstrip("\n"))
+        assert m, f"bad element: {part[:80]!r}"
+        out.append((m.group(1), *map(int, m.groups()[1:5]), m.group(6)))
+    return out
+
+
+def test_same_seed_same_document_and_labels():
+    a, b = make_document(1234, 2), make_document(1234, 2)
+    assert a == b
+    assert make_document(1235, 2)[1] != a[1]
+    assert layout_labels(1234, 2) == a[1]  # labels without drawing are the same
+
+
+def test_label_format_and_boxes_on_the_999_grid():
+    for seed in range(20):
+        for label in layout_labels(seed, 2):
+            assert label.startswith("<|det|>")
+            for name, x1, y1, x2, y2, text in _elements(label):
+                assert name in LABELS
+                assert 0 <= x1 <= x2 <= 999 and 0 <= y1 <= y2 <= 999
+                assert text.strip()
+                if name == "table":
+                    assert text.startswith("<table><tr><td>") and text.endswith("</td></tr></table>")
+
+
+def test_pages_average_at_least_300_characters_and_use_several_fonts():
+    chars, fonts, chinese = [], set(), 0
+    for seed in range(30):
+        doc = pymupdf.open(stream=make_document(seed, 1)[0], filetype="pdf")
+        chars.append(len(strip_markup(layout_labels(seed, 1)[0])))
+        fonts.update(f[3] for f in doc[0].get_fonts())
+        chinese += any("\u4e00" <= ch <= "\u9fff" for ch in layout_labels(seed, 1)[0])
+    assert sum(chars) / len(chars) >= 300
+    assert len({f.split("-")[0] for f in fonts}) >= 2, fonts
+    assert chinese >= 1
+
+
+def test_pdf_has_a_text_layer_matching_the_labels():
+    pdf, labels = make_document(7, 2)
+    with pymupdf.open(stream=pdf, filetype="pdf") as doc:
+        assert doc.page_count == 2
+        for page, label in zip(doc, labels):
+            layer = " ".join(page.get_text().split())
+            first = _elements(label)[0][-1].split("\n")[0]
+            assert first.split()[0] in layer
+
+
+def test_scan_mode_has_no_text_layer_but_the_same_labels():
+    pdf, labels = make_document(7, 2, scan=True)
+    assert labels == make_document(7, 2)[1]
+    with pymupdf.open(stream=pdf, filetype="pdf") as doc:
+        for page in doc:
+            assert page.get_text().strip() == ""
+            assert page.get_images()
+
+
+def test_render_and_training_arrays_agree():
+    pdf, _ = make_document(9, 1)
+    image = render_pages(pdf, 1024)[0]
+    assert max(image.size) == 1024 and image.mode == "RGB"
+    square, label = page_arrays(9, 1, 1024)[0]
+    assert square.shape == (1024, 1024) and label == make_document(9, 1)[1][0]
+    x0 = (1024 - image.width) // 2
+    gray = np.asarray(image.convert("L"), dtype=int)
+    assert np.abs(square[:, x0 : x0 + image.width].astype(int) - gray).max() <= 1
+    assert (square[:, : x0] == 127).all()  # gray padding like the processor
+
+
+def test_join_pages_and_strip_markup():
+    labels = layout_labels(3, 2)
+    assert join_pages(labels[:1]) == labels[0]
+    joined = join_pages(labels)
+    assert joined.startswith("<PAGE><|det|>") and joined.count("<PAGE>") == 2
+    text = strip_markup("<|det|>table [1, 2, 3, 4]<|/det|><table><tr><td>a</td><td>b c</td></tr></table>\n"
+                        "<|det|>text [1, 2, 3, 4]<|/det|>x\ny")
+    assert text == "a b c x y"
+    assert HELD_OUT_LIMIT == 1_000_000
+
+
+@pytest.mark.parametrize("kind", ["words"])
+def test_word_pages(kind):
+    (arr, label), = page_arrays(0, 1, 256, kind=kind)
+    assert arr.shape == (256, 256) and _elements(label)[0][0] == "title"

@@ -1,0 +1,80 @@
+"""The demo-model training code on a tiny config (CPU): loss goes down, the training forward equals the
+model's own, R-SWA scoring reproduces generate(), and the saved folder loads like the real model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from scripts import demo_model as dm
+from scripts.checks import overfit, rswa_agreement, tiny_setup, word_pages
+
+
+@pytest.fixture(scope="module")
+def pages():
+    torch.set_num_threads(2)
+    return word_pages(dm.PRESETS["tiny"]["image_size"], seeds=range(4))
+
+
+@pytest.fixture(scope="module")
+def tiny(pages):
+    return tiny_setup([lbl for _, lbl in pages])
+
+
+def test_training_steps_lower_the_loss(pages):
+    model, tokenizer = tiny_setup([lbl for _, lbl in pages], seed=1)
+    losses = overfit(model, tokenizer, pages, steps=16, freeze_steps=8)
+    assert losses[-1] < 0.75 * losses[0], losses
+    assert all(l == l for l in losses)  # no NaN
+
+
+def test_training_forward_matches_the_model_forward(tiny, pages):
+    model, tokenizer = tiny
+    model.eval()
+    size = dm.PRESETS["tiny"]["image_size"]
+    pixels = dm.pixels_from_uint8(torch.stack([torch.from_numpy(a) for a, _ in pages[:2]]))
+    with torch.no_grad():
+        mine = dm.image_embeddings(model, pixels)
+        ref = torch.cat(model.model.get_image_features(pixels).pooler_output)
+        assert torch.allclose(mine, ref, atol=1e-6)
+        prompt = dm.prompt_ids(tokenizer, 2, dm.tokens_per_page(size))
+        ids = torch.tensor([prompt + tokenizer.encode("<PAGE>abc def", add_special_tokens=False)])
+        mask = dm.rswa_mask(len(prompt), ids.shape[1], 4)
+        ref_logits = model(input_ids=ids, pixel_values=pixels, attention_mask=mask).logits
+        assert torch.allclose(dm.score(model, ids, pixels, len(prompt), 4), ref_logits, atol=1e-5)
+
+
+def test_rswa_scoring_reproduces_generate(pages):
+    model, tokenizer = tiny_setup([lbl for _, lbl in pages], text_init=0.2, window=8)
+    with torch.no_grad():
+        model.lm_head.weight[tokenizer.eos_token_id].zero_()
+    model.eval()
+    assert rswa_agreement(model, tokenizer, dm.PRESETS["tiny"]["image_size"], new_tokens=30) == 90
+
+
+def test_saved_folder_loads_like_the_real_model(tiny, tmp_path):
+    from engine.model import load_model
+
+    model, tokenizer = tiny
+    files = dm.save_model(model, tokenizer, tmp_path / "demo", dm.PRESETS["tiny"]["image_size"])
+    assert len(files) <= 8 and all(f.stat().st_size < 16 * 2**20 for f in files)
+    generation = json.loads((tmp_path / "demo" / "generation_config.json").read_text())
+    assert generation["no_repeat_ngram_size"] == 35 and generation["no_repeat_ngram_window_size"] == 128
+    assert json.loads((tmp_path / "demo" / "processor_config.json").read_text()) == \
+        json.loads(json.dumps(dm.processor_dict(dm.PRESETS["tiny"]["image_size"])))
+    loaded = load_model(str(tmp_path / "demo"), device="cpu", dtype="float32")
+    tok = loaded.tokenizer
+    assert (loaded.bos_token_id, loaded.eos_token_id, tok.pad_token_id) == (0, 1, 2)
+    assert loaded.page_sep_id == tok.convert_tokens_to_ids("<PAGE>") and loaded.sliding_window == 128
+    assert loaded.tokens_per_page == 21
+    for special in ["<image>", "<|det|>", "<|/det|>", "<|ref|>", "<|/ref|>", "<|grounding|>", "<td>", "</td>", "<PAGE>"]:
+        assert len(tok.encode(special, add_special_tokens=False)) == 1
+
+
+def test_demo_tokenizer_makes_every_box_coordinate_one_token():
+    tokenizer = dm.build_tokenizer(dm.tokenizer_corpus(200), dm.PRESETS["demo"]["vocab"])
+    assert len(tokenizer) == dm.PRESETS["demo"]["vocab"]
+    assert all(len(tokenizer.encode(str(i), add_special_tokens=False)) == 1 for i in range(1000))
+    assert tokenizer.encode("document parsing.")[0] == tokenizer.bos_token_id
