@@ -54,6 +54,23 @@ class ChunkDecoder(Protocol):
     def free_memory(self) -> None: ...
 
 
+def describe_model(lm: LoadedModel) -> dict[str, Any]:
+    """What a run records about the model it decoded with."""
+    return {"path": lm.path, "device": str(lm.device), "dtype": str(lm.dtype).removeprefix("torch."),
+            "tokens_per_page": lm.tokens_per_page, "sliding_window": lm.sliding_window}
+
+
+def free_device_memory() -> None:
+    """After an out-of-memory error: drop garbage and the allocator's cached blocks."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def prompt_length(loaded: LoadedModel, n_pages: int) -> int:
     """Tokens in the prefix: BOS + one page of image tokens per page + the prompt text."""
     from engine.official import PROMPTS
@@ -147,18 +164,10 @@ class OfficialDecoder:
         self.device = str(loaded.device)
 
     def describe(self) -> dict[str, Any]:
-        lm = self.loaded
-        return {"path": lm.path, "device": self.device, "dtype": str(lm.dtype).removeprefix("torch."),
-                "tokens_per_page": lm.tokens_per_page, "sliding_window": lm.sliding_window}
+        return describe_model(self.loaded)
 
     def free_memory(self) -> None:
-        import gc
-
-        import torch
-
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_device_memory()
 
     def decode(self, images: list, context_limit: int, max_new_tokens: int | None = None,
                reference_texts: list[str] | None = None, replay_ids: list[int] | None = None) -> ChunkOutput:

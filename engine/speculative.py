@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from engine.chunk_decode import ChunkOutput, assemble, no_room, token_budget
+from engine.chunk_decode import ChunkOutput, assemble, describe_model, free_device_memory, no_room, token_budget
 from engine.drafters import Drafter
 from engine.drafters.ngram import NgramDrafter
 from engine.drafters.policy import DraftPolicy
@@ -86,19 +86,11 @@ class SpeculativeDecoder:
         self._rules = {kind: official_rule(loaded, kind) for kind in ("single", "multi")}
 
     def describe(self) -> dict[str, Any]:
-        lm = self.loaded
-        return {"path": lm.path, "device": self.device, "dtype": str(lm.dtype).removeprefix("torch."),
-                "tokens_per_page": lm.tokens_per_page, "sliding_window": lm.sliding_window, "mode": self.mode,
+        return {**describe_model(self.loaded), "mode": self.mode,
                 "k_max": self.k_max, "drafters": list(self.drafter_names) if self.mode == "lossless" else []}
 
     def free_memory(self) -> None:
-        import gc
-
-        import torch
-
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_device_memory()
 
     def decode(self, images: list, context_limit: int, max_new_tokens: int | None = None,
                reference_texts: list[str] | None = None, replay_ids: list[int] | None = None) -> ChunkOutput:
