@@ -64,6 +64,20 @@ def office_pdf(k: int) -> tuple[bytes, str]:
     return data, text
 
 
+def _ensure_loguru() -> None:
+    """engine.model logs with loguru; on a machine without it (the GPU image) use a print-based stand-in."""
+    try:
+        import loguru  # noqa: F401
+    except ImportError:
+        import types
+
+        class _Logger:
+            def __getattr__(self, _name):
+                return lambda msg, *a, **k: print(str(msg).format(*a, **k), file=sys.stderr)
+
+        sys.modules["loguru"] = types.SimpleNamespace(logger=_Logger())
+
+
 class Scorer:
     def __init__(self):
         self.rows = []
@@ -101,6 +115,7 @@ def main(argv=None) -> int:
     if args.seed0 + 10_000 + args.chunks > HELD_OUT_LIMIT:
         ap.error("held-out seeds must stay below 1,000,000")
 
+    _ensure_loguru()
     from engine.model import load_model
     from engine.official import official_generate, split_pages
 

@@ -7,8 +7,11 @@
     python3 scripts/train_demo_model.py --preset tiny --minutes 1 --out /tmp/d # CPU pipeline smoke run
 
 Recipe (DESIGN section 3): the vision tower is initialised normally (not SAM's 1e-10 default) and kept frozen at
-its random init for the first `--freeze-frac` of the time while the decoder and projector learn to read its
-features; then it is unfrozen at a 10x lower learning rate. Samples are 1 page (`document parsing.`) or 2-4
+its random init for the first `--freeze-frac` of the time (default 10%) while the decoder and projector learn to
+read its features; then it trains at `--vision-lr-ratio` times the decoder's rate (default 0.3; DESIGN used 0.1).
+Auxiliary "which character is where" losses on the SAM patches and the vision tokens (`--aux-weight`, not saved
+with the model) give the tower a direct signal (docs/demo_model_training.md says why). Samples are 1 page
+(`document parsing.`) or 2-4
 pages (`Multi page parsing.`, `<PAGE>` before each page), scored with the R-SWA mask (prefix global, output
 window 128). DataLoader workers render pages on the fly from training seeds (>= 1,000,000); held-out seeds
 (< 1,000,000) are never used for training. A replay buffer keeps the GPU busy if the workers fall behind.
@@ -21,10 +24,8 @@ import json
 import math
 import multiprocessing as mp
 import os
-import queue
 import random
 import sys
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -39,6 +40,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from engine.official import official_generation_config  # noqa: E402
 from scripts import demo_model as dm  # noqa: E402
+from scripts.demo_data import PagePool, PageStream, char_tensor, make_batch  # noqa: E402,F401
 from scripts.synth import HELD_OUT_LIMIT, PAGE_SEPARATOR, page_arrays, strip_markup  # noqa: E402
 
 START = time.time()
@@ -49,142 +51,6 @@ def log(msg: str, **fields) -> None:
     if fields:
         line += " " + json.dumps(fields, default=lambda v: round(v, 4) if isinstance(v, float) else str(v))
     print(line, flush=True)
-
-
-# ---------------------------------------------------------------- data
-class PageStream(torch.utils.data.IterableDataset):
-    """Endless pages from training seeds: (uint8 [S, S], int32 label ids). Worker w of n takes document seeds
-    seed_base + w, + w + n, ...; documents have 1-3 pages; difficulty is read from a shared value."""
-
-    def __init__(self, tokenizer_json: str, size: int, scan_prob: float, seed_base: int, difficulty, kind="document",
-                 chars: bool = True):
-        self.tokenizer_json, self.size, self.scan_prob = tokenizer_json, size, scan_prob
-        self.seed_base, self.difficulty, self.kind, self.chars = seed_base, difficulty, kind, chars
-
-    def __iter__(self):
-        from tokenizers import Tokenizer
-
-        torch.set_num_threads(1)
-        tok = Tokenizer.from_str(self.tokenizer_json)
-        info = torch.utils.data.get_worker_info()
-        wid, nw = (info.id, info.num_workers) if info else (0, 1)
-        k = 0
-        while True:
-            seed = self.seed_base + wid + nw * k
-            k += 1
-            d = float(self.difficulty.value)
-            for arr, label, grid in page_arrays(seed, 1 + seed % 3, self.size, self.scan_prob * d, d, self.kind,
-                                                chars=True):
-                ids = tok.encode(label, add_special_tokens=False).ids
-                yield torch.from_numpy(arr.copy()), torch.tensor(ids, dtype=torch.int32), char_tensor(grid, self.size)
-
-
-def char_tensor(grid, size: int) -> torch.Tensor:
-    """int16 [size // 16, size // 8] character classes; -1 everywhere (ignored) when the page has no grid."""
-    if grid is None:
-        return torch.full((size // 16, size // 8), -1, dtype=torch.int16)
-    return torch.from_numpy(grid.astype("int16"))
-
-
-class PagePool:
-    """Fresh pages from the DataLoader (pulled by a thread) plus a ring buffer of recent pages for replay."""
-
-    def __init__(self, loader, capacity: int, seed: int, queue_pages: int = 512):
-        self.q: queue.Queue = queue.Queue(maxsize=queue_pages)  # bounded: idle workers when the GPU is slower
-        self.buf: list = []
-        self.capacity, self.pos = capacity, 0
-        self.rng = random.Random(seed)
-        self.fresh_used = self.replayed = 0
-        self.stop = threading.Event()
-        self.error: BaseException | None = None
-        self.it = iter(loader)
-        self.thread = threading.Thread(target=self._pull, daemon=True)
-        self.thread.start()
-
-    def _pull(self):
-        try:
-            for item in self.it:
-                while not self.stop.is_set():
-                    try:
-                        self.q.put(item, timeout=0.5)
-                        break
-                    except queue.Full:
-                        continue
-                if self.stop.is_set():
-                    return
-        except BaseException as exc:  # noqa: BLE001 - a dead data worker: train on from the replay buffer
-            self.error = exc
-            log("data workers failed; continuing from the replay buffer", error=f"{type(exc).__name__}: {exc}")
-
-    def _get(self):
-        while True:
-            try:
-                return self.q.get(timeout=1.0)
-            except queue.Empty:
-                if self.error is not None or not self.thread.is_alive():
-                    if self.buf:
-                        return None
-                    raise RuntimeError(f"no training data: {self.error!r}")
-
-    def close(self) -> None:
-        """Stop the pulling thread and the DataLoader workers (frees the CPUs for evaluation and saving)."""
-        self.stop.set()
-        self.thread.join(timeout=10)
-        shutdown = getattr(self.it, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
-        self.it = None
-
-    def _add(self, item):
-        if len(self.buf) < self.capacity:
-            self.buf.append(item)
-        else:
-            self.buf[self.pos] = item
-            self.pos = (self.pos + 1) % self.capacity
-
-    def take(self, n: int, wait_min: int = 0) -> list:
-        out = []
-        while len(self.buf) + len(out) < max(n, wait_min):
-            item = self._get()
-            if item is None:
-                break
-            out.append(item)
-        while len(out) < n:
-            try:
-                out.append(self.q.get_nowait())
-            except queue.Empty:
-                break
-        for item in out:
-            self._add(item)
-        self.fresh_used += len(out)
-        self.replayed += n - len(out)
-        return out + [self.rng.choice(self.buf) for _ in range(n - len(out))]
-
-
-def make_batch(pages: list, n_pages: int, prompt: list[int], page_sep: int, eos: int, pad: int, device):
-    """Samples of n_pages consecutive entries of `pages` ((pixels, ids[, char grid]) each) -> input ids [B, T]
-    (right-padded), lengths, pixels [N, S, S] and, when the pages carry them, character grids [N, S/16, S/8]
-    (-100 = ignore)."""
-    seqs = []
-    for i in range(0, len(pages), n_pages):
-        chunk = pages[i : i + n_pages]
-        target: list[int] = []
-        for _, ids, *_ in chunk:
-            if n_pages > 1:
-                target.append(page_sep)
-            target += ids.tolist()
-        seqs.append(prompt + target + [eos])
-    T = -(-max(len(s) for s in seqs) // 16) * 16  # a multiple of 16 suits the attention kernels
-    ids = torch.full((len(seqs), T), pad, dtype=torch.long)
-    for b, s in enumerate(seqs):
-        ids[b, : len(s)] = torch.tensor(s)
-    lengths = torch.tensor([len(s) for s in seqs])
-    pixels = torch.stack([p[0] for p in pages])
-    batch = (ids.to(device, non_blocking=True), lengths.to(device), pixels.to(device, non_blocking=True))
-    if all(len(p) > 2 for p in pages):
-        grids = torch.stack([p[2] for p in pages]).to(device, non_blocking=True).long()
-        return batch + (grids.masked_fill(grids < 0, -100),)
-    return batch + (None,)
 
 
 def loss_fn(model, ids, lengths, pixels, prefix_len, window, grad_vision, pixel_dtype, aux_head=None, grids=None):
@@ -445,7 +311,7 @@ def train(args) -> dict:
                 do_greedy = now - last_greedy >= args.greedy_every
                 history.append(evaluate(model, tokenizer, tf_pages, eval_docs, tpp, window, prompts, page_sep, eos,
                                         pad, device, amp, pixel_dtype, step,
-                                        greedy_pages=args.eval_pages if do_greedy else 0))
+                                        greedy_pages=args.eval_pages if do_greedy else 0, max_time=12.0))
                 last_eval = time.time()
                 last_greedy = last_eval if do_greedy else last_greedy
             if args.out and args.save_every and time.time() - last_save >= args.save_every \
@@ -461,15 +327,16 @@ def train(args) -> dict:
     log("training done", step=step, seconds=time.time() - train_start)
     pool.close()
     pool_stats = {"fresh_pages": pool.fresh_used, "replayed_pages": pool.replayed}
-    left = deadline - time.time()
+    budget = deadline - time.time() - 15  # keep ~15 s for saving
     try:
         final = evaluate(model, tokenizer, tf_pages, eval_docs, tpp, window, prompts, page_sep, eos, pad, device,
-                         amp, pixel_dtype, step, greedy_pages=args.eval_pages, multi=left > 60,
-                         max_time=max(5.0, min(25.0, (left - 15) / 2)))
+                         amp, pixel_dtype, step, greedy_pages=args.eval_pages if budget > 10 else 0,
+                         multi=budget > 40, max_time=max(5.0, min(30.0, 0.45 * budget)))
     except Exception as exc:  # noqa: BLE001
         final = {"error": f"{type(exc).__name__}: {exc}"}
         log("final evaluation failed", **final)
-    record = {"steps": step, "params": n_params, "image_size": size, "tokens_per_page": tpp, "preset": args.preset,
+    record = {"steps": step, "params": n_params, "image_size": size, "tokens_per_page": tpp,
+              "preset": f"resumed from {args.resume}" if args.resume else args.preset,
               "minutes": args.minutes, "train_seconds": time.time() - train_start, **pool_stats, "final": final,
               "history": history, "device": torch.cuda.get_device_name() if cuda else "cpu",
               "torch": torch.__version__, "error": error}
@@ -547,13 +414,15 @@ def parse_args(argv=None):
     ap.add_argument("--pages-per-step", type=int, default=48)
     ap.add_argument("--buffer-pages", type=int, default=6000)
     ap.add_argument("--lr", type=float, default=1.5e-3)
-    ap.add_argument("--vision-lr-ratio", type=float, default=0.1)
+    ap.add_argument("--vision-lr-ratio", type=float, default=0.3,
+                    help="vision-tower learning rate / decoder learning rate once unfrozen (DESIGN: 0.1 without --aux-weight)")
     ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--warmup", type=int, default=150)
     ap.add_argument("--vision-warmup", type=int, default=100)
-    ap.add_argument("--freeze-frac", type=float, default=0.3, help="share of the time with the vision tower frozen")
-    ap.add_argument("--aux-weight", type=float, default=0.0,
-                    help="weight of the auxiliary character-grid loss on the vision tokens (0 = off)")
+    ap.add_argument("--freeze-frac", type=float, default=0.1, help="share of the time with the vision tower frozen")
+    ap.add_argument("--aux-weight", type=float, default=1.0,
+                    help="weight of the auxiliary character-grid losses on the SAM patches and vision tokens (0 = off;"
+                         " DESIGN's plain recipe is --aux-weight 0 --freeze-frac 0.3 --vision-lr-ratio 0.1)")
     ap.add_argument("--start-difficulty", type=float, default=0.0)
     ap.add_argument("--curriculum-frac", type=float, default=0.4, help="difficulty reaches 1 at this share of time")
     ap.add_argument("--multi-frac", type=float, default=0.4, help="share of steps with 2-4 page samples")
@@ -562,7 +431,7 @@ def parse_args(argv=None):
                     help="training pages: synthetic documents, or 1-3 big words (a quick learnability probe)")
     ap.add_argument("--tokenizer-docs", type=int, default=1500)
     ap.add_argument("--eval-every", type=float, default=60.0, help="seconds between teacher-forced held-out evals")
-    ap.add_argument("--greedy-every", type=float, default=150.0, help="seconds between greedy held-out CER evals")
+    ap.add_argument("--greedy-every", type=float, default=180.0, help="seconds between greedy held-out CER evals")
     ap.add_argument("--eval-pages", type=int, default=8, help="held-out pages decoded greedily per eval")
     ap.add_argument("--log-every", type=float, default=30.0)
     ap.add_argument("--save-every", type=float, default=150.0,

@@ -102,3 +102,12 @@ def test_join_pages_and_strip_markup():
 def test_word_pages(kind):
     (arr, label), = page_arrays(0, 1, 256, kind=kind)
     assert arr.shape == (256, 256) and _elements(label)[0][0] == "title"
+
+
+def test_character_grid_marks_every_visible_character():
+    (arr, label, grid), = page_arrays(5, 1, 1024, chars=True)
+    assert grid.shape == (64, 128)
+    visible = sum(not ch.isspace() for ch in strip_markup(label).replace(" ", ""))
+    assert 0.8 * visible <= (grid > 0).sum() <= visible  # a few share a cell
+    (_, _, none), = page_arrays(5, 1, 1024, scan_prob=1.0, chars=True)
+    assert none is None  # scan-like pages (rotated) have no grid

@@ -16,7 +16,6 @@ import io
 import random
 import re
 
-import numpy as np
 import pymupdf
 from PIL import Image
 

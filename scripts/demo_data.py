@@ -1,0 +1,157 @@
+"""Training data for the demo model: pages rendered on the fly by DataLoader workers, a replay pool, batches.
+
+`PageStream` yields (uint8 [S, S] page, int32 label ids, int16 character grid) from training seeds only
+(>= synth.HELD_OUT_LIMIT); `PagePool` pulls them in a thread and keeps a ring buffer so that a step never waits
+once the buffer holds a batch; `make_batch` builds right-padded 1- or n-page samples.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+
+import torch
+
+from scripts.synth import page_arrays
+
+
+def _log(msg: str, **fields) -> None:
+    from scripts.train_demo_model import log
+
+    log(msg, **fields)
+
+
+class PageStream(torch.utils.data.IterableDataset):
+    """Endless pages from training seeds: (uint8 [S, S], int32 label ids). Worker w of n takes document seeds
+    seed_base + w, + w + n, ...; documents have 1-3 pages; difficulty is read from a shared value."""
+
+    def __init__(self, tokenizer_json: str, size: int, scan_prob: float, seed_base: int, difficulty, kind="document",
+                 chars: bool = True):
+        self.tokenizer_json, self.size, self.scan_prob = tokenizer_json, size, scan_prob
+        self.seed_base, self.difficulty, self.kind, self.chars = seed_base, difficulty, kind, chars
+
+    def __iter__(self):
+        from tokenizers import Tokenizer
+
+        torch.set_num_threads(1)
+        tok = Tokenizer.from_str(self.tokenizer_json)
+        info = torch.utils.data.get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        k = 0
+        while True:
+            seed = self.seed_base + wid + nw * k
+            k += 1
+            d = float(self.difficulty.value)
+            for arr, label, grid in page_arrays(seed, 1 + seed % 3, self.size, self.scan_prob * d, d, self.kind,
+                                                chars=True):
+                ids = tok.encode(label, add_special_tokens=False).ids
+                yield torch.from_numpy(arr.copy()), torch.tensor(ids, dtype=torch.int32), char_tensor(grid, self.size)
+
+
+def char_tensor(grid, size: int) -> torch.Tensor:
+    """int16 [size // 16, size // 8] character classes; -1 everywhere (ignored) when the page has no grid."""
+    if grid is None:
+        return torch.full((size // 16, size // 8), -1, dtype=torch.int16)
+    return torch.from_numpy(grid.astype("int16"))
+
+
+class PagePool:
+    """Fresh pages from the DataLoader (pulled by a thread) plus a ring buffer of recent pages for replay."""
+
+    def __init__(self, loader, capacity: int, seed: int, queue_pages: int = 512):
+        self.q: queue.Queue = queue.Queue(maxsize=queue_pages)  # bounded: idle workers when the GPU is slower
+        self.buf: list = []
+        self.capacity, self.pos = capacity, 0
+        self.rng = random.Random(seed)
+        self.fresh_used = self.replayed = 0
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.it = iter(loader)
+        self.thread = threading.Thread(target=self._pull, daemon=True)
+        self.thread.start()
+
+    def _pull(self):
+        try:
+            for item in self.it:
+                while not self.stop.is_set():
+                    try:
+                        self.q.put(item, timeout=0.5)
+                        break
+                    except queue.Full:
+                        continue
+                if self.stop.is_set():
+                    return
+        except BaseException as exc:  # noqa: BLE001 - a dead data worker: train on from the replay buffer
+            self.error = exc
+            _log("data workers failed; continuing from the replay buffer", error=f"{type(exc).__name__}: {exc}")
+
+    def _get(self):
+        while True:
+            try:
+                return self.q.get(timeout=1.0)
+            except queue.Empty:
+                if self.error is not None or not self.thread.is_alive():
+                    if self.buf:
+                        return None
+                    raise RuntimeError(f"no training data: {self.error!r}")
+
+    def close(self) -> None:
+        """Stop the pulling thread and the DataLoader workers (frees the CPUs for evaluation and saving)."""
+        self.stop.set()
+        self.thread.join(timeout=10)
+        shutdown = getattr(self.it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        self.it = None
+
+    def _add(self, item):
+        if len(self.buf) < self.capacity:
+            self.buf.append(item)
+        else:
+            self.buf[self.pos] = item
+            self.pos = (self.pos + 1) % self.capacity
+
+    def take(self, n: int, wait_min: int = 0) -> list:
+        out = []
+        while len(self.buf) + len(out) < max(n, wait_min):
+            item = self._get()
+            if item is None:
+                break
+            out.append(item)
+        while len(out) < n:
+            try:
+                out.append(self.q.get_nowait())
+            except queue.Empty:
+                break
+        for item in out:
+            self._add(item)
+        self.fresh_used += len(out)
+        self.replayed += n - len(out)
+        return out + [self.rng.choice(self.buf) for _ in range(n - len(out))]
+
+
+def make_batch(pages: list, n_pages: int, prompt: list[int], page_sep: int, eos: int, pad: int, device):
+    """Samples of n_pages consecutive entries of `pages` ((pixels, ids[, char grid]) each) -> input ids [B, T]
+    (right-padded), lengths, pixels [N, S, S] and, when the pages carry them, character grids [N, S/16, S/8]
+    (-100 = ignore)."""
+    seqs = []
+    for i in range(0, len(pages), n_pages):
+        chunk = pages[i : i + n_pages]
+        target: list[int] = []
+        for _, ids, *_ in chunk:
+            if n_pages > 1:
+                target.append(page_sep)
+            target += ids.tolist()
+        seqs.append(prompt + target + [eos])
+    T = -(-max(len(s) for s in seqs) // 16) * 16  # a multiple of 16 suits the attention kernels
+    ids = torch.full((len(seqs), T), pad, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, : len(s)] = torch.tensor(s)
+    lengths = torch.tensor([len(s) for s in seqs])
+    pixels = torch.stack([p[0] for p in pages])
+    batch = (ids.to(device, non_blocking=True), lengths.to(device), pixels.to(device, non_blocking=True))
+    if all(len(p) > 2 for p in pages):
+        grids = torch.stack([p[2] for p in pages]).to(device, non_blocking=True).long()
+        return batch + (grids.masked_fill(grids < 0, -100),)
+    return batch + (None,)
