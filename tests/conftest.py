@@ -95,3 +95,14 @@ def worker_config(folder: Path, model_dir: Path, **sections: dict) -> Path:
         for key in [k for k, v in sec.items() if v is None]:
             del sec[key]
     return write_config(folder, **base)
+
+
+def text_page(i: int):
+    """A small white page with 8 lines of text that differ by page number (for engine tests)."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (300, 420), "white")
+    draw = ImageDraw.Draw(image)
+    for line in range(8):
+        draw.text((12, 12 + 48 * line + 5 * i), f"page {i} line {line} text {i * line}", fill="black")
+    return image

@@ -25,16 +25,11 @@ from engine.rswa_cache import RswaKVCache
 from engine.runner import RswaRunner
 from engine.speculative import SpeculativeDecoder, decode_ids
 from engine.tiny import build_tiny_model, set_eos_scale
+from tests.conftest import text_page as _page
 
 LENGTHS = {4: 60, 8: 100, 128: 400}  # new tokens per window: >= 3x the window, and past 128
 
 
-def _page(i: int) -> Image.Image:
-    image = Image.new("RGB", (300, 420), "white")
-    draw = ImageDraw.Draw(image)
-    for line in range(8):
-        draw.text((12, 12 + 48 * line + 5 * i), f"page {i} line {line} text {i * line}", fill="black")
-    return image
 
 
 def _pages(n: int) -> list[Image.Image]:

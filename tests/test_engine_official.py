@@ -13,16 +13,11 @@ from engine.model import LoadedModel, ModelLoadError, ModelNotFound, load_model
 from engine.official import (
     official_generate, official_generation_config, official_inputs, parse_elements, rswa_mask, split_pages)
 from engine.tiny import build_tiny_model, set_eos_scale
+from tests.conftest import text_page as _page
 
 WINDOW = 8  # the tiny model's R-SWA sliding window
 
 
-def _page(i: int) -> Image.Image:
-    image = Image.new("RGB", (300, 420), "white")
-    draw = ImageDraw.Draw(image)
-    for line in range(8):
-        draw.text((12, 12 + 48 * line + 5 * i), f"page {i} line {line} text {i * line}", fill="black")
-    return image
 
 
 @pytest.fixture(scope="module")
