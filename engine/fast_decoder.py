@@ -1,0 +1,179 @@
+"""`plain` / `lossless` decoding on the static runner, with CUDA graphs on a GPU: the fast path of issue 6.
+
+`FastDecoder` is a `SpeculativeDecoder` (same modes, drafters, `decode()` contract and stats) whose decode
+loop runs on `engine.static_runner.StaticRswaRunner`:
+- backend ``graphs``: prefill and vision eager; every verify/plain step replays a CUDA graph captured per
+  (width bucket, prefix bucket) right after the prefill of a chunk (widths 1, 2, 4 ... k_max + 1);
+- backend ``static``: the same static buffers and step, run eagerly (any device; the CPU tests use it);
+- backend ``eager``: the eager engine (`SpeculativeDecoder.generate`);
+- ``auto`` (default): ``graphs`` on CUDA, else ``eager``.
+If graph capture fails, the decoder logs why and decodes with the eager engine from then on.
+
+A round is the eager engine's (`engine.verify`) with the argmax taken on the device: the host gets the
+k + 1 greedy choices in one copy and asks for a full logits row only when the no-repeat-ngram rule bans
+the argmax of that row (then the row's greedy choice after the bans is computed as `greedy_token` does).
+Extra stats: backend, moe, graphs (number captured), capture_s (inside prefill_s). Other modes (``fast``)
+run on the eager engine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from loguru import logger
+
+from engine.cuda_graphs import GraphCaptureError, StepGraphs, cuda_graphs_available
+from engine.drafters import Drafter
+from engine.drafters.policy import DraftPolicy
+from engine.model import LoadedModel
+from engine.ngram_rule import NoRepeatNgramRule, greedy_token
+from engine.official import DecodeResult, decode_text, official_inputs
+from engine.speculative import DRAFTERS, SpeculativeDecoder
+from engine.static_runner import StaticRswaRunner
+
+BACKENDS = ("auto", "graphs", "static", "eager")
+DrafterFactory = Callable[[str, "list[str] | None", "list[int] | None"], list[Drafter]]
+
+
+class FastDecoder(SpeculativeDecoder):
+    """moe: routed-expert implementation of the static step (`engine.static_moe`).
+    drafter_factory: (prompt kind, reference_texts, replay_ids) -> drafters, replacing the named ones
+    (benchmarks use it to feed drafts of a controlled quality). prefix_capacity: see StaticRswaRunner."""
+
+    def __init__(self, loaded: LoadedModel, mode: str = "lossless", k_max: int = 16,
+                 drafters: tuple[str, ...] = DRAFTERS, backend: str = "auto", moe: str = "grouped",
+                 drafter_factory: DrafterFactory | None = None, prefix_capacity: int = 0):
+        super().__init__(loaded, mode=mode, k_max=k_max, drafters=drafters)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
+        if mode not in ("plain", "lossless") and backend != "eager":
+            logger.info("mode {!r} has no static path yet: eager engine", mode)
+            backend = "eager"
+        self.moe = moe
+        self.drafter_factory = drafter_factory
+        self.fallback_reason: str | None = None
+        self.static: StaticRswaRunner | None = None
+        if backend == "auto":
+            ok, why = cuda_graphs_available()
+            on_cuda = loaded.device.type == "cuda"
+            backend = "graphs" if ok and on_cuda else "eager"
+            if backend == "eager":
+                self.fallback_reason = why if not ok else f"model on {loaded.device}"
+                logger.info("fast path off ({}): eager engine", self.fallback_reason)
+        if backend == "graphs" and loaded.device.type != "cuda":
+            raise ValueError(f"backend 'graphs' needs the model on a CUDA device, not {loaded.device}")
+        self.backend = backend
+        if backend in ("graphs", "static"):
+            self.static = StaticRswaRunner(loaded.model, k_max + 1, moe=moe, prefix_capacity=prefix_capacity)
+        if backend == "graphs":
+            try:
+                self.static.graphs = StepGraphs(self.static.step_body, loaded.device)
+            except GraphCaptureError as exc:
+                self._fall_back(exc)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "backend": self.backend, "moe": self.moe if self.static else None,
+                "fallback_reason": self.fallback_reason}
+
+    def _fall_back(self, exc: Exception) -> None:
+        self.fallback_reason = str(exc)
+        logger.warning("CUDA graph fast path disabled, decoding with the eager engine: {}", exc)
+        self.backend, self.static = "eager", None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _drafters(self, kind, reference_texts, replay_ids) -> list[Drafter]:
+        if self.mode == "plain":
+            return []
+        if self.drafter_factory is not None:
+            return self.drafter_factory(kind, reference_texts, replay_ids)
+        return super()._drafters(kind, reference_texts, replay_ids)
+
+    def generate(self, images: list, max_new_tokens: int, reference_texts: list[str] | None = None,
+                 replay_ids: list[int] | None = None) -> DecodeResult:
+        if self.backend == "eager":
+            return super().generate(images, max_new_tokens, reference_texts, replay_ids)
+        try:
+            return self._generate_static(images, max_new_tokens, reference_texts, replay_ids)
+        except GraphCaptureError as exc:
+            self._fall_back(exc)
+            return super().generate(images, max_new_tokens, reference_texts, replay_ids)
+
+    def _generate_static(self, images, max_new_tokens, reference_texts, replay_ids) -> DecodeResult:
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        loaded, eos, runner = self.loaded, self.loaded.eos_token_id, self.static
+        kind = "single" if len(images) == 1 else "multi"
+        t0 = time.perf_counter()
+        inputs = official_inputs(loaded, images, kind)
+        prompt_ids = inputs["input_ids"][0].tolist()
+        rule = NoRepeatNgramRule(*self._rules[kind], prompt_ids)
+        logits = runner.prefill(inputs)
+        output = [greedy_token(logits, rule.banned())]
+        logprobs = [float(logits[output[0]] - torch.logsumexp(logits, dim=-1))]
+        rule.extend(output)
+        t_capture = time.perf_counter()
+        captured = runner.capture_graphs()  # GraphCaptureError -> eager engine (caller)
+        capture_s = time.perf_counter() - t_capture
+        policy = DraftPolicy(self._drafters(kind, reference_texts, replay_ids), self.k_max)
+        times = {"prefill_s": time.perf_counter() - t0, "draft_s": 0.0, "verify_s": 0.0, "single_s": 0.0}
+        rounds = singles = 0
+        while output[-1] != eos and len(output) < max_new_tokens:
+            t = time.perf_counter()
+            name, draft = policy.propose(output, max_new_tokens - len(output) - 1)
+            t_draft = time.perf_counter()
+            emitted, step_logprobs = verify_static(runner, rule, output[-1], draft, eos)
+            logprobs += step_logprobs
+            t_done = time.perf_counter()
+            times["draft_s"] += t_draft - t
+            if draft:
+                policy.record(name, len(draft), len(emitted) - 1)
+                times["verify_s"] += t_done - t_draft
+                rounds += 1
+            else:
+                times["single_s"] += t_done - t_draft
+                singles += 1
+            output += emitted
+            rule.extend(emitted)
+        seconds = time.perf_counter() - t0
+        by_drafter = {name: s.as_dict() for name, s in policy.stats.items()}
+        drafted = sum(s.proposed for s in policy.stats.values())
+        accepted = sum(s.accepted for s in policy.stats.values())
+        stats = {"mode": self.mode, "k_max": self.k_max, "tokens": len(output), "verify_rounds": rounds,
+                 "single_steps": singles, "forwards": 1 + rounds + singles, "draft_tokens": drafted,
+                 "accepted_tokens": accepted, "tau": round(accepted / rounds, 4) if rounds else 0.0,
+                 "relaxed_tokens": 0, "drafters": by_drafter, "cache_bytes": runner.nbytes(), "ring_slots": runner.ring_size,
+                 "backend": self.backend, "moe": self.moe, "graphs": len(runner.graphs or ()),
+                 "graphs_captured_now": captured, "capture_s": round(capture_s, 4),
+                 **{key: round(value, 4) for key, value in times.items()}}
+        text = decode_text(loaded, output) if loaded.tokenizer is not None else ""
+        result = DecodeResult(prompt_ids=prompt_ids, output_ids=output,
+                              finish_reason="eos" if output[-1] == eos else "length", seconds=seconds,
+                              text=text, prompt_kind=kind, n_pages=len(images),
+                              ngram_window=self._rules[kind][1], extra={"speculative": stats})
+        result.logprobs = logprobs  # a DecodeResult field from issue 8 on (engine.quality reads it)
+        return result
+
+
+def verify_static(runner: StaticRswaRunner, rule: NoRepeatNgramRule, last_token: int, draft: list[int],
+                  eos_token_id: int) -> tuple[list[int], list[float]]:
+    """`engine.verify.verify` on the static runner: emitted tokens d1..da + the target's own, EOS-truncated,
+    and their log-probabilities (log-softmax of the fp32 logits before the bans, as the eager engine records)."""
+    rows = runner.step([last_token, *draft])
+    emitted: list[int] = []
+    logprobs: list[float] = []
+    for i in range(len(draft) + 1):
+        banned = rule.banned(draft[:i])
+        target, best, lse = rows[i]
+        if target in banned:  # rare: the argmax itself is banned; redo the row as generate() does
+            row = runner.logits_row(i)
+            target = greedy_token(row, banned)
+            best = float(row[target])
+        emitted.append(target)
+        logprobs.append(best - lse)
+        if i == len(draft) or draft[i] != target or target == eos_token_id:
+            break
+    runner.commit(len(emitted))
+    return emitted, logprobs

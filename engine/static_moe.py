@@ -1,0 +1,56 @@
+"""Routed-expert (MoE) computation with static shapes and no host sync, for CUDA-graph decode steps.
+
+All three take the model's own ``UnlimitedOcrTextExperts`` module (weights ``gate_up_proj`` [E, 2I, H],
+``down_proj`` [E, H, I], ``act_fn``), the tokens ``x`` [T, H] and the router's ``top_k_index`` /
+``top_k_weights`` [T, k] (fp32), and return [T, H] in ``x``'s dtype: sum over the k routed experts of
+weight * down(act(gate(x)) * up(x)). Shapes depend on T only, never on the routing.
+
+- ``grouped`` (default): transformers' ``grouped_mm_experts_forward``, the model's own default experts
+  implementation, so the same arithmetic as the official path. Sorts the T*k (token, expert) pairs by
+  expert and runs one grouped GEMM per projection over offsets computed on the device (histc, no
+  bincount): each routed expert's weights are read once, no copies. Needs ``torch.nn.functional.grouped_mm``
+  or ``torch._grouped_mm`` (CUDA sm80+, bf16 surely; other dtypes: see docs/benchmarks.md).
+- ``gather``: index the weights of the T*k routed experts (a copy of T*k expert matrices), then batched
+  matrix-vector products. Bytes ~3x the routed weights: cheap for T = 1-2, ruinous for T = 16 (~100 pairs).
+- ``dense``: every expert on every token, weights zero for experts not routed. Reads all E experts'
+  weights whatever T is (~440 MB per layer at full size): flat cost, plausible for wide verify steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MOE_IMPLS = ("grouped", "gather", "dense")
+
+
+def grouped(experts, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    return grouped_mm_experts_forward(experts, x, top_k_index, top_k_weights)
+
+
+def gather(experts, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    tokens, top_k = top_k_index.shape
+    ids = top_k_index.reshape(-1)
+    xs = x.repeat_interleave(top_k, dim=0)  # [T*k, H], pair j = (token j // k, its (j % k)-th expert)
+    gate_up = torch.bmm(experts.gate_up_proj[ids], xs[:, :, None])[..., 0]  # [T*k, 2I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = torch.bmm(experts.down_proj[ids], (experts.act_fn(gate) * up)[:, :, None])[..., 0]  # [T*k, H]
+    out = out * top_k_weights.reshape(-1, 1)
+    return out.view(tokens, top_k, -1).sum(dim=1).to(x.dtype)
+
+
+def dense(experts, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    n_experts = experts.gate_up_proj.shape[0]
+    gate_up = torch.matmul(x, experts.gate_up_proj.transpose(1, 2))  # [E, T, 2I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = torch.matmul(experts.act_fn(gate) * up, experts.down_proj.transpose(1, 2))  # [E, T, H]
+    weights = torch.zeros(x.shape[0], n_experts, dtype=top_k_weights.dtype, device=x.device)
+    weights.scatter_(1, top_k_index, top_k_weights)  # [T, E], zero where not routed
+    return (out * weights.T[:, :, None]).sum(dim=0).to(x.dtype)
+
+
+def experts_forward(name: str):
+    if name not in MOE_IMPLS:
+        raise ValueError(f"moe must be one of {MOE_IMPLS}, not {name!r}")
+    return {"grouped": grouped, "gather": gather, "dense": dense}[name]

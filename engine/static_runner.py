@@ -1,0 +1,261 @@
+"""The decoder of Unlimited-OCR over static buffers: the step computation that CUDA graphs capture and replay.
+
+Same model computation as `engine.runner.RswaRunner` (the model's own norms, projections, RoPE, router,
+experts and lm_head, in the same order), but every tensor a decode step touches has a fixed address and a
+shape fixed by two buckets, so one CUDA graph per (width bucket, prefix bucket) can replay it. On the CPU,
+or on a GPU without graphs, the same code runs eagerly (``graphs`` None): that is what the CPU tests check
+token for token against official ``generate()``.
+
+Buffers (allocated at the first prefill, grown only when a longer prefix arrives; then graphs are dropped):
+- per layer, keys and values ``[1, C + P, kv_heads, head_dim]`` (P = prefix capacity, a bucket). Slots
+  ``[0, C)`` are the output ring, slots ``[C, C + L)`` the prefix of the current chunk (L tokens). Ring
+  first, so that the keys a step needs, ``[0, C + Lb)`` for prefix bucket ``Lb >= L``, are one contiguous
+  slice (a view, no copy; [slots, heads, dim] is the layout flash/efficient attention reads natively);
+- ``tags[C]``: the absolute position held by each ring slot (``EMPTY`` = never written in this chunk);
+- static inputs ``ids[Kmax]``, ``pos[Kmax]`` (Kmax = widest bucket) and the scalar ``prefix_len``;
+  a pinned host staging tensor feeds ids and positions with one copy per step.
+
+Invariants (those of `engine.rswa_cache` with padding counted as drafting):
+1. A step of k tokens is run at width ``Kb`` = the smallest bucket >= k. Its positions are
+   ``length .. length + Kb - 1``; positions past ``length + k - 1`` carry a pad id. Padding is just more
+   rejected draft: it writes ring slots and tags that are never committed.
+2. ``C >= W + Kmax - 1`` (rounded up to a multiple of 16 for aligned attention rows). So a step never
+   overwrites a slot that one of its queries needs, and a committed position a later query needs is never
+   overwritten by a padded or rejected write (that write's position is >= C ahead of it, i.e. out of the
+   window of every query of any step that could read it).
+3. Positions ``< length`` are committed. A query at p sees the prefix slots ``j < L`` (prefix bucket slots
+   ``L .. Lb-1`` are masked) and the ring slots whose tag is in ``[p - W + 1, p]``; rejected or padded
+   positions have tags ``>= length`` and are rewritten by the step that next holds those positions before
+   any query reads them (the step writes before it attends, in every layer). Rollback = ``commit(n)`` only.
+4. A step is a pure function of (static inputs, buffers): running it twice writes the same slots with the
+   same values. So graph capture (which runs the step eagerly to warm up) at the committed length, with
+   any ids, is harmless: it only writes positions ``>= length`` (invariant 3).
+5. Buffer shapes never change within a chunk; memory is ``nbytes()`` whatever the output length.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers.models.unlimited_ocr.modeling_unlimited_ocr import apply_rotary_pos_emb
+
+from engine.runner import RswaRunner
+from engine.static_moe import experts_forward
+
+EMPTY = -(2**62)  # tag of a ring slot never written in this chunk: outside every window
+ALIGN = 16
+# prefix lengths a graph is kept for (steps of 128, 512, 1024): attention reads few slots it does not need
+PREFIX_BUCKETS = [*range(128, 2048, 128), *range(2048, 8192, 512), *range(8192, 65536 + 1, 1024)]
+
+
+def width_buckets(max_width: int) -> list[int]:
+    """Verify widths a graph is kept for: powers of two below ``max_width``, and ``max_width``."""
+    if max_width < 1:
+        raise ValueError("max_width must be >= 1")
+    return sorted({2**e for e in range(max_width.bit_length()) if 2**e < max_width} | {max_width})
+
+
+def bucket(value: int, buckets: list[int]) -> int:
+    for b in buckets:
+        if b >= value:
+            return b
+    raise ValueError(f"{value} exceeds the largest bucket {buckets[-1]}")
+
+
+class StaticRswaRunner:
+    """max_step_tokens: widest step (k_max drafts + the last committed token). moe: see `engine.static_moe`.
+    prefix_capacity: allocate for at least this many prefix tokens at the first prefill (fewer regrowths)."""
+
+    def __init__(self, model, max_step_tokens: int, moe: str = "grouped", prefix_capacity: int = 0):
+        self.model = model
+        self.embedder = RswaRunner(model)  # validates the layer types; builds prompt embeddings (vision)
+        self.text = model.model.language_model
+        config = self.text.config
+        self.window = config.sliding_window
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = self.embedder.head_dim
+        self.groups = config.num_attention_heads // config.num_key_value_heads
+        self.sparse = [kind == "sparse" for kind in config.mlp_layer_types]
+        self.moe = moe
+        self._experts = experts_forward(moe)
+        self.widths = width_buckets(max_step_tokens)
+        self.max_width = self.widths[-1]
+        self.ring_size = math.ceil((self.window + self.max_width - 1) / ALIGN) * ALIGN
+        weight = self.text.embed_tokens.weight
+        self.dtype, self.device = weight.dtype, weight.device
+        self.min_capacity = prefix_capacity
+        with torch.inference_mode():
+            self.ids = torch.zeros(self.max_width, dtype=torch.long, device=self.device)
+            self.pos = torch.zeros(self.max_width, dtype=torch.long, device=self.device)
+            self.prefix_len_t = torch.zeros((), dtype=torch.long, device=self.device)
+            self.tags = torch.full((self.ring_size,), EMPTY, dtype=torch.long, device=self.device)
+        pinned = self.device.type == "cuda"
+        self._host = torch.zeros(2, self.max_width, dtype=torch.long, pin_memory=pinned)
+        self._host_np = self._host.numpy()
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.capacity = 0
+        self.prefix_len = 0
+        self.prefix_bucket = 0
+        self.length = 0
+        self.graphs = None  # engine.cuda_graphs.StepGraphs, or None: run steps eagerly
+        self._logits: torch.Tensor | None = None
+        self._step_tokens = 0
+
+    # --- buffers -----------------------------------------------------------------------------------------
+
+    def _allocate(self, prefix_len: int) -> None:
+        capacity = bucket(max(prefix_len, self.min_capacity), PREFIX_BUCKETS)
+        shape = (1, self.ring_size + capacity, self.num_kv_heads, self.head_dim)
+        self.keys = self.values = []  # free the old buffers before taking the new ones
+        # zeros, not empty: masked slots still enter the attention product, and garbage could be NaN
+        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.text.layers]
+        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.text.layers]
+        self._prefix_index = torch.arange(capacity, device=self.device)
+        self.capacity = capacity
+        if self.graphs is not None:
+            self.graphs.clear()  # they were captured over the old buffers' addresses
+
+    def nbytes(self) -> int:
+        """Bytes of the cache buffers and static inputs; constant for a chunk whatever its output length."""
+        tensors = [*self.keys, *self.values, self.tags, self.ids, self.pos]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # --- prefill (eager) ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, inputs) -> torch.Tensor:
+        """Write the prefix of ``inputs`` (processor inputs) into the buffers, commit it, and return the fp32
+        logits [vocab] of its last position. Eager, with the model's own MoE modules."""
+        embeds = self.embedder.prompt_embeddings(inputs)
+        length = embeds.shape[1]
+        if length > self.capacity:
+            self._allocate(length)
+        self.tags.fill_(EMPTY)
+        self.prefix_len_t.fill_(length)
+        self.prefix_len, self.length = length, length
+        self.prefix_bucket = bucket(length, [b for b in PREFIX_BUCKETS if b <= self.capacity])
+        positions = torch.arange(length, device=self.device)[None]
+        cos, sin = self.text.rotary_emb(embeds, position_ids=positions)
+        hidden = embeds
+        for i, layer in enumerate(self.text.layers):
+            hidden = self._layer(i, layer, hidden, cos, sin, None)
+        return self._final(hidden[0, -1])
+
+    # --- one step (the graph body) -----------------------------------------------------------------------
+
+    def step_body(self, width: int, prefix_bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 logits [width, vocab] of the staged step and a summary [width, 3] fp32 per row: argmax (exact
+        as fp32 below 2**24), max logit, logsumexp. Only device work on static tensors: no host sync, shapes
+        fixed by (width, prefix_bucket)."""
+        pos = self.pos[:width]
+        slots = pos % self.ring_size
+        self.tags.index_copy_(0, slots, pos)
+        p = pos[:, None]
+        sees_ring = (self.tags[None, :] <= p) & (self.tags[None, :] > p - self.window)
+        sees_prefix = (self._prefix_index[None, :prefix_bucket] < self.prefix_len_t).expand(width, prefix_bucket)
+        mask = torch.cat([sees_ring, sees_prefix], dim=1)[None, None]
+        embeds = self.text.embed_tokens(self.ids[:width])[None]
+        cos, sin = self.text.rotary_emb(embeds, position_ids=pos[None])
+        hidden = embeds
+        for i, layer in enumerate(self.text.layers):
+            hidden = self._layer(i, layer, hidden, cos, sin, (slots, mask, prefix_bucket))
+        logits = self._final(hidden[0])
+        argmax = logits.argmax(dim=-1)  # first index on ties, as generate's argmax
+        return logits, torch.stack([argmax.float(), logits.amax(dim=-1), torch.logsumexp(logits, dim=-1)], dim=1)
+
+    def _layer(self, i: int, layer, hidden: torch.Tensor, cos, sin, step) -> torch.Tensor:
+        """One decoder layer; ``step`` None = prefill (causal over the prefix), else (slots, mask, bucket)."""
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        n = x.shape[1]
+        q = attn.q_proj(x).view(1, n, -1, self.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(1, n, -1, self.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(1, n, -1, self.head_dim)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k = k.transpose(1, 2)
+        keys, values, c = self.keys[i], self.values[i], self.ring_size
+        if step is None:
+            keys[:, c:c + n].copy_(k)
+            values[:, c:c + n].copy_(v)
+            out = self._attend(q, keys[:, c:c + n], values[:, c:c + n], None, attn.scaling)
+        else:
+            slots, mask, prefix_bucket = step
+            keys.index_copy_(1, slots, k)
+            values.index_copy_(1, slots, v)
+            end = c + prefix_bucket
+            out = self._attend(q, keys[:, :end], values[:, :end], mask, attn.scaling)
+        hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, n, -1))
+        x = layer.post_attention_layernorm(hidden)
+        if step is None or not self.sparse[i]:
+            return hidden + layer.mlp(x)  # the model's own module (eager MoE with host syncs in prefill)
+        mlp = layer.mlp
+        _, top_k_weights, top_k_index = mlp.gate(x)
+        routed = self._experts(mlp.experts, x.reshape(n, -1), top_k_index, top_k_weights).view_as(x)
+        return hidden + routed + mlp.shared_experts(x)
+
+    def _attend(self, q, keys, values, mask, scaling) -> torch.Tensor:
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [1, kv_heads, slots, dim] views
+        if self.groups > 1:
+            keys = keys.repeat_interleave(self.groups, dim=1)
+            values = values.repeat_interleave(self.groups, dim=1)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
+                                              scale=scaling)
+
+    def _final(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.text.norm(hidden)).float()
+
+    # --- driving steps from the host ---------------------------------------------------------------------
+
+    def _stage(self, token_ids: list[int], width: int) -> None:
+        host = self._host_np
+        host[0, :len(token_ids)] = token_ids
+        host[0, len(token_ids):] = token_ids[-1]  # pad id: any valid token
+        host[1, :] = np.arange(self.length, self.length + self.max_width)
+        self.ids.copy_(self._host[0], non_blocking=True)
+        self.pos.copy_(self._host[1], non_blocking=True)
+
+    @torch.inference_mode()
+    def step(self, token_ids: list[int]) -> list[tuple[int, float, float]]:
+        """Per token at positions ``length ..``: (greedy choice before bans, its logit, logsumexp of the row);
+        the full fp32 logits stay on the device for ``logits_row``. Commits nothing."""
+        if not 1 <= len(token_ids) <= self.max_width:
+            raise ValueError(f"a step of {len(token_ids)} tokens; the runner allows 1..{self.max_width}")
+        if self.length < self.prefix_len or not self.prefix_len:
+            raise RuntimeError("prefill first")
+        width = bucket(len(token_ids), self.widths)
+        self._stage(token_ids, width)
+        if self.graphs is not None:
+            logits, summary = self.graphs.replay(width, self.prefix_bucket)
+        else:
+            logits, summary = self.step_body(width, self.prefix_bucket)
+        self._logits, self._step_tokens = logits, len(token_ids)
+        rows = summary[:len(token_ids)].tolist()  # the one host sync of a step
+        return [(int(token), best, lse) for token, best, lse in rows]
+
+    def logits_row(self, i: int) -> torch.Tensor:
+        """fp32 logits [vocab] after the i-th token of the last step (valid until the next step)."""
+        if not 0 <= i < self._step_tokens:
+            raise IndexError(i)
+        return self._logits[i]
+
+    def commit(self, n_tokens: int) -> None:
+        if not 0 <= n_tokens <= self._step_tokens:
+            raise ValueError(f"cannot commit {n_tokens} of a {self._step_tokens}-token step")
+        self.length += n_tokens
+        self._step_tokens = 0
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> int:
+        """Capture any missing graph of the current prefix bucket (all widths); returns how many were captured.
+        Staged at the committed length with pad ids: only rejected positions are written (invariant 4)."""
+        if self.graphs is None:
+            return 0
+        missing = [w for w in self.widths if not self.graphs.has(w, self.prefix_bucket)]
+        for width in missing:
+            self._stage([0], width)
+            self.graphs.capture(width, self.prefix_bucket)
+        return len(missing)

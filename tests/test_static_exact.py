@@ -1,0 +1,244 @@
+"""The static-buffer fast path (issue 6) is token-identical to the official path (CPU, fp32, tiny random models).
+
+Backend ``static`` runs exactly the step that CUDA graphs capture, eagerly: windows 4, 8 and 128; 1 page and
+3-page chunks; outputs >= 3x the window; drafters always right, half right, always wrong; the three MoE
+implementations; padding of steps to width buckets; the no-repeat-ngram rule firing; EOS; constant memory;
+the fallback to the eager engine. The CUDA-graph tests at the end run only where CUDA is available.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.cuda_graphs import GraphCaptureError, StepGraphs, cuda_graphs_available
+from engine.fast_decoder import FastDecoder
+from engine.model import load_model
+from engine.official import official_generate
+from engine.static_runner import PREFIX_BUCKETS, StaticRswaRunner, bucket, width_buckets
+from engine.tiny import build_tiny_model, set_eos_scale
+from tests.conftest import text_page
+
+LENGTHS = {4: 60, 8: 100, 128: 400}  # new tokens per window: >= 3x the window, and past 128
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _pages(n: int):
+    return [text_page(i) for i in range(n)]
+
+
+def _kind(n: int) -> str:
+    return "single" if n == 1 else "multi"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("static")
+    specs = {4: dict(sliding_window=4), 8: dict(sliding_window=8), 128: dict(sliding_window=128),
+             "loop": dict(sliding_window=8, text_init=0.02)}
+    return {name: str(build_tiny_model(root / str(name), seed=0, **spec)) for name, spec in specs.items()}
+
+
+@pytest.fixture(scope="module")
+def models(folders):
+    return {name: load_model(path, "cpu", "float32") for name, path in folders.items()}
+
+
+@pytest.fixture(scope="module")
+def official(models):
+    memo = {}
+
+    def get(name, n_pages):
+        if (name, n_pages) not in memo:
+            memo[name, n_pages] = official_generate(models[name], _pages(n_pages), _kind(n_pages),
+                                                    LENGTHS.get(name, 200)).output_ids
+        return memo[name, n_pages]
+
+    return get
+
+
+def _corrupt(ids: list[int], vocab: int, how: str) -> list[int]:
+    if how == "right":
+        return list(ids)
+    if how == "random_half":
+        rng = random.Random(0)
+        return [t if rng.random() < 0.5 else rng.randrange(vocab) for t in ids]
+    if how == "wrong":
+        return [(t + 1) % vocab for t in ids]
+    raise ValueError(how)
+
+
+def _ids(loaded, pages, max_new, backend="static", **kwargs) -> list[int]:
+    replay = kwargs.pop("replay_ids", None)
+    decoder = FastDecoder(loaded, backend=backend, **kwargs)
+    return decoder.generate(pages, max_new, replay_ids=replay).output_ids
+
+
+# --- buckets and buffers ----------------------------------------------------------------------------------
+
+def test_buckets():
+    assert width_buckets(17) == [1, 2, 4, 8, 16, 17]
+    assert width_buckets(16) == [1, 2, 4, 8, 16]
+    assert width_buckets(1) == [1]
+    assert bucket(273 + 6, PREFIX_BUCKETS) == 384 and bucket(16 * 273 + 6, PREFIX_BUCKETS) == 4608
+    with pytest.raises(ValueError):
+        bucket(10**9, PREFIX_BUCKETS)
+
+
+def test_ring_covers_window_plus_widest_step(models):
+    runner = StaticRswaRunner(models[8].model, max_step_tokens=17)
+    assert runner.ring_size >= 8 + 17 - 1 and runner.ring_size % 16 == 0
+    with pytest.raises(RuntimeError):
+        runner.step([1])  # no prefill yet
+
+
+# --- token-exactness --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("window", [4, 8, 128])
+@pytest.mark.parametrize("n_pages", [1, 3])
+def test_static_plain_and_lossless_equal_official(models, official, window, n_pages):
+    loaded, pages = models[window], _pages(n_pages)
+    expected = official(window, n_pages)
+    max_new = LENGTHS[window]
+    assert len(expected) == max_new >= 3 * window
+    vocab = loaded.model.config.text_config.vocab_size
+    assert _ids(loaded, pages, max_new, mode="plain") == expected
+    for how in ["right", "random_half", "wrong"]:
+        assert _ids(loaded, pages, max_new, replay_ids=_corrupt(expected, vocab, how)) == expected, how
+
+
+@pytest.mark.parametrize("moe", ["gather", "dense"])
+@pytest.mark.parametrize("n_pages", [1, 3])
+def test_other_moe_implementations(models, official, moe, n_pages):
+    loaded, pages, expected = models[8], _pages(n_pages), official(8, n_pages)
+    vocab = loaded.model.config.text_config.vocab_size
+    assert _ids(loaded, pages, LENGTHS[8], mode="plain", moe=moe) == expected
+    assert _ids(loaded, pages, LENGTHS[8], moe=moe, replay_ids=_corrupt(expected, vocab, "random_half")) == expected
+
+
+@pytest.mark.parametrize("k_max", [1, 3, 32])
+def test_widths_and_padding_around_the_window(models, official, k_max):
+    """k_max 3 -> widths 1, 2, 4 (a 3-token step runs padded to 4); 32 -> a ring of 4 + 33 - 1 -> 48 slots."""
+    expected = official(4, 1)
+    vocab = models[4].model.config.text_config.vocab_size
+    for how in ["right", "random_half"]:
+        replay = _corrupt(expected, vocab, how)
+        assert _ids(models[4], _pages(1), LENGTHS[4], k_max=k_max, replay_ids=replay) == expected, (k_max, how)
+
+
+def test_one_runner_serves_chunks_of_different_lengths(models, official):
+    """Buffers grow for a longer prefix and are reused for a shorter one (stale prefix slots masked)."""
+    loaded = models[8]
+    decoder = FastDecoder(loaded, mode="plain", backend="static")
+    for n_pages in [1, 3, 1]:
+        assert decoder.generate(_pages(n_pages), LENGTHS[8]).output_ids == official(8, n_pages)
+
+
+@pytest.mark.parametrize("n_pages", [1, 3])
+def test_rule_fires_and_static_path_follows_it(models, official, n_pages):
+    loaded, pages = models["loop"], _pages(n_pages)
+    expected = official("loop", n_pages)
+    assert _ids(loaded, pages, len(expected), mode="plain") == expected
+    assert _ids(loaded, pages, len(expected), drafters=("ngram",)) == expected  # drafts the looping tokens
+
+
+def test_eos_and_chunk_output(models):
+    loaded = load_model(models[8].path, "cpu", "float32")  # a fresh copy: the EOS row changes
+    set_eos_scale(loaded.model, 8.0, seed=2)
+    for n_pages in [1, 3]:
+        pages = _pages(n_pages)
+        expected = official_generate(loaded, pages, _kind(n_pages), 80)
+        assert expected.finish_reason == "eos" and len(expected.output_ids) < 80
+        ids = expected.output_ids
+        for mode, replay in [("plain", None), ("lossless", ids + ids), ("lossless", ids[:-1] + [5, 6, 7])]:
+            out = FastDecoder(loaded, mode=mode, backend="static").decode(
+                pages, context_limit=32768, max_new_tokens=80, replay_ids=replay)
+            assert out.output_ids == ids and out.finish_reason == "eos", (n_pages, mode)
+            assert out.chunk_stats["backend"] == "static"
+
+
+def test_memory_is_constant_in_output_length(models):
+    decoder = FastDecoder(models["loop"], mode="lossless", k_max=16, drafters=("ngram",), backend="static")
+    short = decoder.generate(_pages(1), 300).extra["speculative"]
+    long = decoder.generate(_pages(1), 3000).extra["speculative"]
+    assert (short["tokens"], long["tokens"]) == (300, 3000)
+    assert short["cache_bytes"] == long["cache_bytes"]
+    assert long["verify_rounds"] > 50 and long["accepted_tokens"] > 500  # the ring wrapped under speculation
+
+
+# --- backends and fallback --------------------------------------------------------------------------------
+
+def test_auto_backend_without_cuda_is_the_eager_engine(models, official):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: auto means graphs")
+    decoder = FastDecoder(models[8], mode="plain")
+    assert decoder.backend == "eager" and decoder.static is None and decoder.fallback_reason
+    assert decoder.generate(_pages(1), LENGTHS[8]).output_ids == official(8, 1)
+    with pytest.raises(ValueError):
+        FastDecoder(models[8], backend="graphs")
+    assert not cuda_graphs_available()[0]
+    with pytest.raises(GraphCaptureError):
+        StepGraphs(lambda w, b: (), "cuda")
+
+
+def test_capture_failure_falls_back_to_the_eager_engine(models, official):
+    class Failing:
+        def has(self, width, prefix_bucket):
+            return False
+
+        def capture(self, width, prefix_bucket):
+            raise GraphCaptureError("capture of the 1-token step failed: simulated")
+
+        def clear(self):
+            pass
+
+    decoder = FastDecoder(models[8], mode="lossless", backend="static")
+    decoder.static.graphs = Failing()
+    expected = official(8, 1)
+    out = decoder.generate(_pages(1), LENGTHS[8], replay_ids=expected)
+    assert out.output_ids == expected
+    assert decoder.backend == "eager" and "simulated" in decoder.fallback_reason
+    assert "backend" not in out.extra["speculative"]  # the eager engine's stats
+
+
+# --- CUDA graphs (GPU only) -------------------------------------------------------------------------------
+
+@CUDA
+@pytest.mark.parametrize("window", [8, 128])
+@pytest.mark.parametrize("n_pages", [1, 3])
+def test_cuda_graphs_equal_official_fp32(folders, window, n_pages):
+    loaded = load_model(folders[window], "cuda", "float32")
+    pages = _pages(n_pages)
+    expected = official_generate(loaded, pages, _kind(n_pages), LENGTHS[window]).output_ids
+    vocab = loaded.model.config.text_config.vocab_size
+    for moe in ["grouped", "dense", "gather"]:
+        plain = FastDecoder(loaded, mode="plain", backend="graphs", moe=moe)
+        res = plain.generate(pages, LENGTHS[window])
+        assert plain.backend == "graphs", plain.fallback_reason
+        assert res.output_ids == expected, moe
+        assert res.extra["speculative"]["graphs"] >= 1
+        for how in ["right", "random_half", "wrong"]:
+            ids = _ids(loaded, pages, LENGTHS[window], backend="graphs", moe=moe,
+                       replay_ids=_corrupt(expected, vocab, how))
+            assert ids == expected, (moe, how)
+
+
+def test_logprobs_match_the_eager_engine(models):
+    from engine.speculative import SpeculativeDecoder
+
+    eager = SpeculativeDecoder(models[8], mode="plain").generate(_pages(1), LENGTHS[8])
+    if not getattr(eager, "logprobs", None):
+        pytest.skip("the eager engine records no logprobs in this tree")
+    static = FastDecoder(models[8], mode="plain", backend="static").generate(_pages(1), LENGTHS[8])
+    assert static.output_ids == eager.output_ids
+    torch.testing.assert_close(torch.tensor(static.logprobs), torch.tensor(eager.logprobs), rtol=1e-4, atol=1e-4)
