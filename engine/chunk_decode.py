@@ -7,6 +7,9 @@ The decoder runs one pass over the chunk's pages and hands back the pages it can
 - when the output reached the context limit, only the pages completed before the last page separator,
   and the rest asked to be re-queued (the worker halves a chunk that completed none).
 A single page always yields exactly one page; cut at the limit, its finish reason says so.
+Each kept page carries its own token ids and their log-probabilities (for ``engine.quality``): the output
+split at the page separator token (separator and EOS left out), or, when the separator is not one token,
+a share of the output proportional to the page's text.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ class PageOutput:
     text: str
     boxes: list[dict[str, Any]]
     stats: dict[str, Any]
+    ids: list[int] = field(default_factory=list)  # the page's output token ids (no separator / EOS)
+    logprobs: list[float] = field(default_factory=list)  # one per id (empty when the decoder has none)
 
 
 @dataclass
@@ -98,7 +103,35 @@ def no_room(n_pages: int, context_limit: int) -> ChunkOutput:
                        note=f"{n_pages} pages leave no room under the context limit {context_limit}")
 
 
-def assemble(res: DecodeResult, n_in: int, hit_context: bool) -> ChunkOutput:
+def page_token_spans(output_ids: list[int], pieces: list[str], groups: list[tuple[int, int]],
+                     page_sep_id: int | None, eos_token_id: int | None) -> list[tuple[int, int]]:
+    """[start, end) in ``output_ids`` of each kept page, where page k is ``pieces[groups[k][0]..groups[k][1]]``
+    (the pieces of ``split_pages``). Separator and final EOS are left out. Falls back to shares
+    proportional to the pieces' characters when the ids do not split into the same pieces."""
+    n = len(output_ids)
+    end_all = n - 1 if n and output_ids[-1] == eos_token_id else n
+    segments: list[tuple[int, int]] = []
+    if page_sep_id is not None:
+        start = 0
+        for i in range(end_all):
+            if output_ids[i] == page_sep_id:
+                segments.append((start, i))
+                start = i + 1
+        segments.append((start, end_all))
+        if len(segments) == len(pieces) + 1:  # the blank text before the first separator, dropped by split_pages
+            segments = segments[1:]
+    if len(segments) != len(pieces):
+        chars = [len(p) + 1 for p in pieces]
+        total, start, segments = sum(chars), 0, []
+        for k, c in enumerate(chars):
+            end = end_all if k == len(chars) - 1 else min(end_all, start + round(end_all * c / total))
+            segments.append((start, end))
+            start = end
+    return [(segments[a][0], segments[b][1]) for a, b in groups]
+
+
+def assemble(res: DecodeResult, n_in: int, hit_context: bool, page_sep_id: int | None = None,
+             eos_token_id: int | None = None) -> ChunkOutput:
     """Turn one decode of ``n_in`` pages into kept pages, following the module's rules."""
     finished = res.finish_reason == "eos"
     tokens = len(res.output_ids)
@@ -129,6 +162,15 @@ def assemble(res: DecodeResult, n_in: int, hit_context: bool) -> ChunkOutput:
         if texts and finished and not requeue:
             kept_reasons[-1] = "eos"
     n_chars = sum(len(t) for t in texts) or 1
+    eos = eos_token_id if eos_token_id is not None else (res.output_ids[-1] if finished and tokens else None)
+    if n_in == 1:
+        spans = [(0, tokens - 1 if finished and tokens else tokens)]
+    else:
+        groups = [(k, k) for k in range(len(texts))]
+        if texts and note and "extra text kept" in note:  # the last page holds the extra pieces
+            groups[-1] = (len(texts) - 1, len(pieces) - (1 if finished else 2))
+        spans = page_token_spans(res.output_ids, pieces, groups, page_sep_id, eos)
+    lps = res.logprobs if len(res.logprobs) == tokens else []
     pages = [
         PageOutput(
             text=t,
@@ -140,6 +182,8 @@ def assemble(res: DecodeResult, n_in: int, hit_context: bool) -> ChunkOutput:
                 "chunk_pages": n_in,
                 **({"note": note} if note else {}),
             },
+            ids=list(res.output_ids[spans[i][0]:spans[i][1]]),
+            logprobs=list(lps[spans[i][0]:spans[i][1]]),
         )
         for i, t in enumerate(texts)
     ]
@@ -178,17 +222,23 @@ class OfficialDecoder:
         limit, limit_is_room = budget
         t0 = time.perf_counter()
         res = official_generate(self.loaded, images, "single" if n == 1 else "multi", limit)
-        out = assemble(res, n, hit_context=(res.finish_reason != "eos" and limit_is_room))
+        out = assemble(res, n, hit_context=(res.finish_reason != "eos" and limit_is_room),
+                       page_sep_id=self.loaded.page_sep_id)
         out.chunk_stats["wall_seconds"] = round(time.perf_counter() - t0, 4)
         return out
 
 
-def load_decoder(path: str, device: str = "auto", dtype: str = "auto", mode: str = "official") -> ChunkDecoder:
-    """official: transformers generate(); plain / lossless: engine.speculative (token-identical)."""
+def load_decoder(path: str, device: str = "auto", dtype: str = "auto", mode: str = "official",
+                 fast_threshold: float | None = None) -> ChunkDecoder:
+    """official: transformers generate(); plain / lossless: engine.speculative (token-identical);
+    fast: engine.speculative with relaxed acceptance at ``fast_threshold``."""
     from engine.model import load_model
     from engine.speculative import MODES, SpeculativeDecoder
 
     if mode != "official" and mode not in MODES:
-        raise ValueError(f"engine mode {mode!r} is not available; use 'official', 'plain' or 'lossless'")
+        raise ValueError(f"engine mode {mode!r} is not available; use 'official', 'plain', 'lossless' or 'fast'")
     loaded = load_model(path, device, dtype)
-    return OfficialDecoder(loaded) if mode == "official" else SpeculativeDecoder(loaded, mode=mode)
+    if mode == "official":
+        return OfficialDecoder(loaded)
+    extra = {"fast_threshold": fast_threshold} if fast_threshold is not None else {}
+    return SpeculativeDecoder(loaded, mode=mode, **extra)

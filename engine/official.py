@@ -37,6 +37,7 @@ class DecodeResult:
     n_pages: int = 1
     ngram_window: int = 128
     extra: dict = field(default_factory=dict)
+    logprobs: list[float] = field(default_factory=list)  # per output id: log-softmax of the logits, before bans
 
 
 def official_inputs(loaded, images: list, prompt_kind: Literal["single", "multi"], crop: bool = False):
@@ -80,14 +81,42 @@ def official_generate(loaded, images: list, prompt_kind: Literal["single", "mult
     config = official_generation_config(loaded, prompt_kind, max_new_tokens)
     prompt_len = inputs["input_ids"].shape[1]
     start = time.perf_counter()
+    recorder = LogprobRecorder()
     with torch.inference_mode():
-        sequences = loaded.model.generate(**inputs, generation_config=config)
+        sequences = loaded.model.generate(**inputs, generation_config=config, logits_processor=[recorder])
     seconds = time.perf_counter() - start
     output = sequences[0, prompt_len:].tolist()
+    logprobs = recorder.finish(sequences)
     finish = "eos" if output and output[-1] == loaded.eos_token_id else "length"
     return DecodeResult(prompt_ids=inputs["input_ids"][0].tolist(), output_ids=output, finish_reason=finish,
                         seconds=seconds, text=decode_text(loaded, output), prompt_kind=prompt_kind,
-                        n_pages=len(images), ngram_window=NGRAM_WINDOW[prompt_kind])
+                        n_pages=len(images), ngram_window=NGRAM_WINDOW[prompt_kind], logprobs=logprobs)
+
+
+class LogprobRecorder:
+    """A logits processor that changes nothing and records, per generated token, the log-softmax of the
+    scores it sees at the token generate then picks. The model's mixin appends its no-repeat-ngram rule after
+    the caller's processors, so these are the logits before the bans (as the engine records them); a step's
+    token is known at the next call (and from the final sequences for the last one). Stays on the device
+    until ``finish`` (no sync per step)."""
+
+    def __init__(self):
+        self._last: torch.Tensor | None = None  # [batch, vocab] log-softmax of the step before
+        self._picked: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self._pick(input_ids[:, -1])
+        self._last = scores.float().log_softmax(-1)
+        return scores
+
+    def _pick(self, tokens: torch.Tensor) -> None:
+        if self._last is not None:
+            self._picked.append(self._last.gather(-1, tokens[:, None].to(self._last.device))[:, 0])
+            self._last = None
+
+    def finish(self, sequences: torch.Tensor) -> list[float]:
+        self._pick(sequences[:, -1])
+        return torch.stack(self._picked, -1)[0].tolist() if self._picked else []
 
 
 def split_pages(text: str, separator: str = "<PAGE>") -> list[str]:

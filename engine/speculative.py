@@ -9,7 +9,10 @@ Loop (see `engine.verify` for one round):
    verify forward emits the accepted draft tokens + the target's own token (a draftless round is a plain
    single-token step); stop at EOS or ``max_new_tokens``, as generate does.
 
-Mode ``plain`` is the same engine with no drafts: one token per forward.
+Mode ``plain`` is the same engine with no drafts: one token per forward. Mode ``fast`` drafts like
+``lossless`` but also accepts a draft token the target gives probability >= ``fast_threshold`` (see
+``engine.verify.verify_round``): not token-identical, never truncated; ``relaxed_tokens`` counts those tokens.
+Every mode records the log-probability of each emitted token (``DecodeResult.logprobs``).
 
 Stats (``DecodeResult.extra["speculative"]``, merged into ``ChunkOutput.chunk_stats``; pages get their
 token share of the counts and times): tokens, forwards (1 prefill + verify_rounds + single_steps),
@@ -33,11 +36,12 @@ from engine.model import PAGE_SEPARATOR, LoadedModel
 from engine.ngram_rule import NoRepeatNgramRule, greedy_token
 from engine.official import DecodeResult, decode_text, official_generation_config, official_inputs
 from engine.runner import RswaRunner
-from engine.verify import verify
+from engine.verify import token_logprob, verify_round
 
-MODES = ("plain", "lossless")
+MODES = ("plain", "lossless", "fast")
+DEFAULT_FAST_THRESHOLD = 0.3
 DRAFTERS = ("reference", "replay", "ngram")
-SHARED_STATS = ("verify_rounds", "single_steps", "draft_tokens", "accepted_tokens",
+SHARED_STATS = ("verify_rounds", "single_steps", "draft_tokens", "accepted_tokens", "relaxed_tokens",
                 "prefill_s", "draft_s", "verify_s", "single_s")
 
 
@@ -68,7 +72,7 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, loaded: LoadedModel, mode: str = "lossless", k_max: int = 16,
-                 drafters: tuple[str, ...] = DRAFTERS):
+                 drafters: tuple[str, ...] = DRAFTERS, fast_threshold: float = DEFAULT_FAST_THRESHOLD):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         unknown = set(drafters) - set(DRAFTERS)
@@ -76,6 +80,9 @@ class SpeculativeDecoder:
             raise ValueError(f"unknown drafters {sorted(unknown)}; choose among {DRAFTERS}")
         if k_max < 1:
             raise ValueError("k_max must be >= 1")
+        if not 0.0 < fast_threshold <= 1.0:
+            raise ValueError("fast_threshold must be in (0, 1]")
+        self.fast_threshold = fast_threshold
         self.loaded = loaded
         self.mode = mode
         self.k_max = k_max
@@ -87,7 +94,8 @@ class SpeculativeDecoder:
 
     def describe(self) -> dict[str, Any]:
         return {**describe_model(self.loaded), "mode": self.mode,
-                "k_max": self.k_max, "drafters": list(self.drafter_names) if self.mode == "lossless" else []}
+                "k_max": self.k_max, "drafters": list(self.drafter_names) if self.mode != "plain" else [],
+                **({"fast_threshold": self.fast_threshold} if self.mode == "fast" else {})}
 
     def free_memory(self) -> None:
         free_device_memory()
@@ -103,12 +111,14 @@ class SpeculativeDecoder:
         limit, limit_is_room = budget
         t0 = time.perf_counter()
         res = self.generate(images, limit, reference_texts, replay_ids)
-        out = assemble(res, n, hit_context=(res.finish_reason != "eos" and limit_is_room))
+        out = assemble(res, n, hit_context=(res.finish_reason != "eos" and limit_is_room),
+                       page_sep_id=self.loaded.page_sep_id)
         stats = res.extra["speculative"]
         out.chunk_stats.update(stats, wall_seconds=round(time.perf_counter() - t0, 4))
         for page in out.pages:
             share = page.stats["tokens"] / len(res.output_ids) if res.output_ids else 0.0
-            page.stats.update({key: _scaled(stats[key], share) for key in SHARED_STATS}, tau=stats["tau"])
+            page.stats.update({key: _scaled(stats[key], share) for key in SHARED_STATS}, tau=stats["tau"],
+                              mode=self.mode)
         return out
 
     def generate(self, images: list, max_new_tokens: int, reference_texts: list[str] | None = None,
@@ -124,16 +134,22 @@ class SpeculativeDecoder:
         rule = NoRepeatNgramRule(*self._rules[kind], prompt_ids)
         cache, logits = self.runner.prefill(inputs, max_step_tokens=self.k_max + 1)
         output = [greedy_token(logits, rule.banned())]
+        logprobs = [token_logprob(logits, output[0])]
         rule.extend(output)
+        fast = self.fast_threshold if self.mode == "fast" else None
+        strict = frozenset(i for i in (eos, loaded.page_sep_id) if i is not None)
         policy = DraftPolicy(self._drafters(kind, reference_texts, replay_ids), self.k_max)
         times = {"prefill_s": time.perf_counter() - t0, "draft_s": 0.0, "verify_s": 0.0, "single_s": 0.0}
-        rounds = singles = 0
+        rounds = singles = relaxed = 0
         while output[-1] != eos and len(output) < max_new_tokens:
             t = time.perf_counter()
             name, draft = policy.propose(output, max_new_tokens - len(output) - 1)
             t_draft = time.perf_counter()
-            emitted = verify(self.runner, cache, rule, output[-1], draft, eos)
+            step = verify_round(self.runner, cache, rule, output[-1], draft, eos, fast, strict)
+            emitted = step.emitted
             t_done = time.perf_counter()
+            logprobs += step.logprobs
+            relaxed += step.relaxed
             times["draft_s"] += t_draft - t
             if draft:
                 policy.record(name, len(draft), len(emitted) - 1)
@@ -151,17 +167,18 @@ class SpeculativeDecoder:
         stats = {"mode": self.mode, "k_max": self.k_max, "tokens": len(output), "verify_rounds": rounds,
                  "single_steps": singles, "forwards": 1 + rounds + singles, "draft_tokens": drafted,
                  "accepted_tokens": accepted, "tau": round(accepted / rounds, 4) if rounds else 0.0,
-                 "drafters": by_drafter, "cache_bytes": cache.nbytes(), "ring_slots": cache.ring_size,
+                 "relaxed_tokens": relaxed, "drafters": by_drafter, "cache_bytes": cache.nbytes(),
+                 "ring_slots": cache.ring_size,
                  **{key: round(value, 4) for key, value in times.items()}}
         return DecodeResult(prompt_ids=prompt_ids, output_ids=output,
                             finish_reason="eos" if output[-1] == eos else "length", seconds=seconds,
                             text=decode_text(loaded, output), prompt_kind=kind, n_pages=len(images),
-                            ngram_window=self._rules[kind][1], extra={"speculative": stats})
+                            ngram_window=self._rules[kind][1], extra={"speculative": stats}, logprobs=logprobs)
 
     def _drafters(self, kind: str, reference_texts: list[str] | None, replay_ids: list[int] | None) -> list[Drafter]:
         """The configured drafters that have what they need for this decode (none in plain mode)."""
         if self.mode == "plain":
-            return []
+            return []  # lossless and fast draft alike
         drafters: list[Drafter] = []
         for name in self.drafter_names:
             if name == "reference" and reference_texts:
@@ -180,7 +197,7 @@ def _scaled(value: float, share: float) -> float:
 
 def decode_ids(loaded: LoadedModel, images: list, max_new_tokens: int, mode: str = "lossless", k_max: int = 16,
                drafters: tuple[str, ...] = DRAFTERS, reference_texts: list[str] | None = None,
-               replay_ids: list[int] | None = None) -> list[int]:
+               replay_ids: list[int] | None = None, fast_threshold: float = DEFAULT_FAST_THRESHOLD) -> list[int]:
     """Output ids of one decode (EOS included when reached), for tests and benchmarks."""
-    decoder = SpeculativeDecoder(loaded, mode=mode, k_max=k_max, drafters=drafters)
+    decoder = SpeculativeDecoder(loaded, mode=mode, k_max=k_max, drafters=drafters, fast_threshold=fast_threshold)
     return decoder.generate(images, max_new_tokens, reference_texts, replay_ids).output_ids

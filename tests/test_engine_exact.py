@@ -260,8 +260,10 @@ def test_load_decoder_modes(models):
     path = models[8].path
     assert load_decoder(path, "cpu", "float32", mode="plain").mode == "plain"
     assert isinstance(load_decoder(path, "cpu", "float32", mode="lossless"), SpeculativeDecoder)
+    fast = load_decoder(path, "cpu", "float32", mode="fast", fast_threshold=0.5)
+    assert fast.mode == "fast" and fast.describe()["fast_threshold"] == 0.5
     with pytest.raises(ValueError):
-        load_decoder(path, "cpu", "float32", mode="fast")
+        load_decoder(path, "cpu", "float32", mode="turbo")
 
 
 def test_cache_memory_is_constant_in_output_length(models):

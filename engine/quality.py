@@ -1,0 +1,250 @@
+"""Per-page quality without ground truth: pure functions on token ids, log-probabilities and texts.
+
+- ``distinct_n(ids, n)``: share of distinct n-grams among the page's n-grams (1.0 = no repeated n-gram;
+  a repetition loop drives it down). None when the page has fewer than n tokens.
+- ``loop_tail(ids)``: the period and length of a looping tail (the last tokens repeat a unit of ``period``
+  tokens at least ``min_repeats`` times and cover at least ``min_tokens``), else None. Under the official
+  no-repeat-ngram rule (n=35) an exact loop needs a period beyond the rule's window (a repeated long line);
+  shorter loops are forced into near-loops, which ``looping`` also catches: the last ``tail_tokens`` tokens
+  have Distinct-10 below ``tail_distinct``.
+- ``finish_reason(raw, ids)``: eos / page_separator / context_limit / length as the decoder reported it,
+  but ``repetition`` when a page that ran out of room (context_limit or length) ends in a loop.
+- ``edit_distance(a, b)`` (Levenshtein, bit-parallel: Hyyrö 2001) and ``normalized_edit_distance``
+  (distance / the longer length; 0 = equal, 1 = nothing in common).
+- ``page_quality(...)``: the stats of one page; ``neighbour_ratio`` (characters against the median of
+  the neighbouring pages); ``grade(stats, thresholds)``: good / fair / poor with the reasons.
+
+Log-probabilities are those of the emitted tokens under the target model's distribution: the log-softmax
+of its fp32 logits at each emitted position, before the no-repeat-ngram bans (the engine takes them from the
+verify logits, the official path from generate's logits). A token is low-confidence when its probability
+is below ``Thresholds.low_confidence_prob``.
+
+This module knows nothing of the database or the config file; the thresholds come in as a dataclass
+(filled from the ``[quality]`` section of config.toml by the ingest side).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Hashable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+GRADES = ("good", "fair", "poor")
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """A page is *poor* when any poor rule fires, *fair* when any fair rule fires, else *good*.
+    Rules whose stat is missing (e.g. no text layer, too few tokens for Distinct-35) do not fire."""
+
+    distinct_20_poor: float = 0.80  # Distinct-20 below this: poor (repetition)
+    distinct_20_fair: float = 0.95
+    distinct_35_poor: float = 0.85
+    distinct_35_fair: float = 0.97
+    mean_logprob_poor: float = -1.5  # mean log-probability of the emitted tokens below this: poor
+    mean_logprob_fair: float = -0.5
+    low_confidence_prob: float = 0.5  # a token whose probability is below this is low-confidence
+    low_confidence_poor: float = 0.30  # share of low-confidence tokens above this: poor
+    low_confidence_fair: float = 0.10
+    text_layer_poor: float = 0.60  # normalized edit distance to the PDF text layer above this: poor
+    text_layer_fair: float = 0.30
+    text_layer_min_chars: int = 20  # compare with the text layer only when it has at least this many chars
+    neighbour_low: float = 0.25  # characters / median of the neighbours' below this (or above high): fair
+    neighbour_high: float = 4.0
+    neighbour_min_chars: int = 200  # ... only when the neighbours' median has at least this many chars
+    loop_min_repeats: int = 3  # a looping tail repeats its unit at least this often
+    loop_min_tokens: int = 32  # ... and covers at least this many tokens
+    loop_tail_tokens: int = 200  # or: the last this many tokens (a near-loop under the no-repeat rule) ...
+    loop_tail_distinct: float = 0.5  # ... have Distinct-10 below this
+
+
+def distinct_n(ids: Sequence[Hashable], n: int) -> float | None:
+    """Distinct n-grams / n-grams (Distinct-n); None with fewer than n tokens."""
+    total = len(ids) - n + 1
+    if total <= 0:
+        return None
+    grams = {tuple(ids[i : i + n]) for i in range(total)}
+    return len(grams) / total
+
+
+def loop_tail(ids: Sequence[Hashable], min_repeats: int = 3, min_tokens: int = 32,
+              max_period: int = 1024) -> tuple[int, int] | None:
+    """(period, tail length) of the shortest unit that the sequence's end repeats, or None.
+
+    The tail of length L with period p satisfies ids[i] == ids[i - p] for its last L - p tokens; it is a
+    loop when L >= min_repeats * p and L >= min_tokens."""
+    n = len(ids)
+    for p in range(1, min(max_period, n // max(min_repeats, 1)) + 1):
+        run = 0  # trailing positions i with ids[i] == ids[i - p]
+        i = n - 1
+        while i >= p and ids[i] == ids[i - p]:
+            run += 1
+            i -= 1
+        tail = run + p
+        if tail >= min_repeats * p and tail >= min_tokens:
+            return p, tail
+    return None
+
+
+def looping(ids: Sequence[Hashable], thresholds: Thresholds | None = None) -> bool:
+    """The sequence ends in a loop: an exact periodic tail, or a near-loop (low Distinct-10 at the end)."""
+    t = thresholds or Thresholds()
+    if loop_tail(ids, t.loop_min_repeats, t.loop_min_tokens) is not None:
+        return True
+    if len(ids) < t.loop_tail_tokens:
+        return False
+    d = distinct_n(ids[-t.loop_tail_tokens:], 10)
+    return d is not None and d < t.loop_tail_distinct
+
+
+def finish_reason(raw: str, ids: Sequence[Hashable], thresholds: Thresholds | None = None) -> str:
+    """The page's finish reason: ``repetition`` when it ran out of room (context_limit / length) in a loop."""
+    if raw in ("context_limit", "length") and looping(ids, thresholds):
+        return "repetition"
+    return raw
+
+
+def edit_distance(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
+    """Levenshtein distance (insert, delete, substitute: 1 each) of two strings or token lists."""
+    if len(a) < len(b):
+        a, b = b, a
+    m = len(b)
+    if m == 0:
+        return len(a)
+    peq: dict[Hashable, int] = {}
+    for i, c in enumerate(b):
+        peq[c] = peq.get(c, 0) | (1 << i)
+    full = (1 << m) - 1
+    high = 1 << (m - 1)
+    pv, mv, score = full, 0, m
+    for c in a:
+        eq = peq.get(c, 0)
+        xv = eq | mv
+        xh = (((eq & pv) + pv) ^ pv) | eq
+        ph = mv | (~(xh | pv) & full)
+        mh = pv & xh
+        if ph & high:
+            score += 1
+        elif mh & high:
+            score -= 1
+        ph = ((ph << 1) | 1) & full
+        mh = (mh << 1) & full
+        pv = mh | (~(xv | ph) & full)
+        mv = ph & xv
+    return score
+
+
+def normalized_edit_distance(a: Sequence[Hashable], b: Sequence[Hashable]) -> float:
+    """edit_distance / max(len): 0.0 equal, 1.0 nothing in common (two empty inputs: 0.0)."""
+    longest = max(len(a), len(b))
+    return edit_distance(a, b) / longest if longest else 0.0
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+def page_quality(raw_finish: str, ids: Sequence[int], logprobs: Sequence[float] | None, text: str,
+                 text_layer: str | None, thresholds: Thresholds = Thresholds()) -> dict[str, Any]:
+    """Stats of one page from its token ids (separator / EOS excluded), their log-probabilities, its
+    readable text and the PDF text layer (None when there is none)."""
+    t = thresholds
+    lps = [lp for lp in (logprobs or []) if lp is not None and not math.isnan(lp)]
+    low = math.log(t.low_confidence_prob)
+    layer = _words(text_layer or "")
+    loop = loop_tail(ids, t.loop_min_repeats, t.loop_min_tokens)
+    return {
+        "finish_reason": finish_reason(raw_finish, ids, t),
+        "tokens": len(ids),
+        "chars": len(text),
+        "distinct_20": _round(distinct_n(ids, 20)),
+        "distinct_35": _round(distinct_n(ids, 35)),
+        "loop_period": loop[0] if loop else None,
+        "mean_logprob": _round(statistics.fmean(lps)) if lps else None,
+        "min_logprob": _round(min(lps)) if lps else None,
+        "low_confidence_share": _round(sum(lp < low for lp in lps) / len(lps)) if lps else None,
+        "text_layer_ned": (_round(normalized_edit_distance(_words(text), layer))
+                           if len(layer) >= t.text_layer_min_chars else None),
+    }
+
+
+def neighbour_ratio(chars: Sequence[int], i: int, min_chars: int = 200) -> float | None:
+    """Characters of page ``i`` / the median of its neighbours' (pages i-1 and i+1); None without
+    neighbours or when the neighbours hold fewer than ``min_chars`` (too little text to compare)."""
+    near = [chars[j] for j in (i - 1, i + 1) if 0 <= j < len(chars)]
+    if not near:
+        return None
+    median = statistics.median(near)
+    if median < min_chars:
+        return None
+    return _round(chars[i] / median)
+
+
+def grade(stats: dict[str, Any], thresholds: Thresholds = Thresholds()) -> tuple[str, list[str]]:
+    """(grade, reasons) of a page from its stats (``page_quality`` + ``neighbour_chars_ratio``).
+    Reasons are short codes, poor ones first: repetition, context_limit, length, low_distinct_20,
+    low_distinct_35, low_mean_logprob, low_confidence_tokens, text_layer_mismatch, chars_vs_neighbours."""
+    t = thresholds
+    poor: list[str] = []
+    fair: list[str] = []
+
+    def below(key: str, poor_at: float, fair_at: float, reason: str) -> None:
+        v = stats.get(key)
+        if v is None:
+            return
+        if v < poor_at:
+            poor.append(reason)
+        elif v < fair_at:
+            fair.append(reason)
+
+    def above(key: str, poor_at: float, fair_at: float, reason: str) -> None:
+        v = stats.get(key)
+        if v is None:
+            return
+        if v > poor_at:
+            poor.append(reason)
+        elif v > fair_at:
+            fair.append(reason)
+
+    finish = stats.get("finish_reason")
+    if finish in ("repetition", "context_limit", "length"):
+        poor.append(finish)
+    below("distinct_20", t.distinct_20_poor, t.distinct_20_fair, "low_distinct_20")
+    below("distinct_35", t.distinct_35_poor, t.distinct_35_fair, "low_distinct_35")
+    below("mean_logprob", t.mean_logprob_poor, t.mean_logprob_fair, "low_mean_logprob")
+    above("low_confidence_share", t.low_confidence_poor, t.low_confidence_fair, "low_confidence_tokens")
+    above("text_layer_ned", t.text_layer_poor, t.text_layer_fair, "text_layer_mismatch")
+    ratio = stats.get("neighbour_chars_ratio")
+    if ratio is not None and not t.neighbour_low <= ratio <= t.neighbour_high:
+        fair.append("chars_vs_neighbours")
+    if poor:
+        return "poor", poor + fair
+    return ("fair", fair) if fair else ("good", [])
+
+
+def grade_document(pages: list[dict[str, Any]], thresholds: Thresholds = Thresholds()) -> list[dict[str, Any]]:
+    """Each page's stats (in document order) completed with neighbour_chars_ratio, grade and reasons."""
+    chars = [p.get("chars", 0) for p in pages]
+    out = []
+    for i, p in enumerate(pages):
+        q = {**p, "neighbour_chars_ratio": neighbour_ratio(chars, i, thresholds.neighbour_min_chars)}
+        q["grade"], q["reasons"] = grade(q, thresholds)
+        out.append(q)
+    return out
+
+
+def thresholds_from(values: dict[str, Any] | None) -> Thresholds:
+    """Thresholds with the given fields replaced (unknown names raise TypeError)."""
+    return Thresholds(**(values or {}))
+
+
+def thresholds_dict(t: Thresholds) -> dict[str, Any]:
+    return asdict(t)
+
+
+def _round(v: float | None, digits: int = 4) -> float | None:
+    return None if v is None else round(v, digits)
+
+

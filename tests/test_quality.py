@@ -1,0 +1,184 @@
+"""Page quality (engine.quality), the log-probabilities the decoders record, and fast mode's relaxed acceptance."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from engine.model import load_model
+from engine.ngram_rule import NoRepeatNgramRule, greedy_token
+from engine.official import official_generate, official_inputs
+from engine.quality import (Thresholds, distinct_n, edit_distance, finish_reason, grade, grade_document, loop_tail,
+                            looping, neighbour_ratio, normalized_edit_distance, page_quality)
+from engine.runner import RswaRunner
+from engine.speculative import SpeculativeDecoder
+from engine.tiny import build_tiny_model
+from engine.verify import verify_round
+from tests.conftest import text_page
+
+
+def _dp_distance(a, b) -> int:
+    prev = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        cur = [i]
+        for j, y in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (x != y)))
+        prev = cur
+    return prev[-1]
+
+
+def test_edit_distance_equals_the_textbook_dp():
+    rng = random.Random(7)
+    for _ in range(500):
+        a = "".join(rng.choice("abc ") for _ in range(rng.randint(0, 90)))
+        b = "".join(rng.choice("abcd") for _ in range(rng.randint(0, 90)))
+        assert edit_distance(a, b) == _dp_distance(a, b)
+    assert edit_distance([1, 2, 3], [1, 3]) == 1  # token lists too
+    assert normalized_edit_distance("", "") == 0.0 and normalized_edit_distance("abc", "") == 1.0
+    assert normalized_edit_distance("kitten", "sitting") == pytest.approx(3 / 7)
+
+
+def test_distinct_and_loops():
+    clean = list(range(300))
+    assert distinct_n(clean, 20) == 1.0 and distinct_n(clean[:10], 20) is None
+    line = list(range(100, 220))  # a 120-token line repeated: an exact loop beyond the rule's 128 window
+    looped = list(range(40)) + line * 4
+    assert loop_tail(looped) == (120, 480)
+    assert distinct_n(looped, 20) < 0.4
+    assert loop_tail(clean) is None and not looping(clean)
+    near = []  # a short loop the no-repeat rule forces to vary: a different token every 30
+    for i in range(300):
+        near.append(5 if i % 2 else 6)
+        if i % 30 == 29:
+            near.append(1000 + i)
+    assert loop_tail(near) is None and looping(near)
+
+
+def test_finish_reason_repetition_only_when_out_of_room():
+    looped = [1, 2, 3, 4] * 50
+    assert finish_reason("length", looped) == "repetition"
+    assert finish_reason("context_limit", looped) == "repetition"
+    assert finish_reason("eos", looped) == "eos"  # it stopped on its own: Distinct-n judges the rest
+    assert finish_reason("context_limit", list(range(400))) == "context_limit"
+    assert finish_reason("page_separator", list(range(50))) == "page_separator"
+
+
+def _clean_stats(**over):
+    base = {"finish_reason": "eos", "tokens": 500, "chars": 1800, "distinct_20": 1.0, "distinct_35": 1.0,
+            "mean_logprob": -0.05, "min_logprob": -2.1, "low_confidence_share": 0.01, "text_layer_ned": 0.05,
+            "neighbour_chars_ratio": 1.1}
+    return {**base, **over}
+
+
+def test_grading_on_synthetic_stats():
+    assert grade(_clean_stats()) == ("good", [])
+    assert grade(_clean_stats(finish_reason="page_separator", text_layer_ned=None)) == ("good", [])
+    assert grade(_clean_stats(finish_reason="repetition", distinct_20=0.3, distinct_35=0.4)) == \
+        ("poor", ["repetition", "low_distinct_20", "low_distinct_35"])
+    assert grade(_clean_stats(finish_reason="context_limit")) == ("poor", ["context_limit"])
+    assert grade(_clean_stats(mean_logprob=-0.8)) == ("fair", ["low_mean_logprob"])
+    assert grade(_clean_stats(mean_logprob=-3.0, low_confidence_share=0.5)) == \
+        ("poor", ["low_mean_logprob", "low_confidence_tokens"])
+    assert grade(_clean_stats(text_layer_ned=0.45)) == ("fair", ["text_layer_mismatch"])
+    assert grade(_clean_stats(text_layer_ned=0.9, neighbour_chars_ratio=0.1)) == \
+        ("poor", ["text_layer_mismatch", "chars_vs_neighbours"])
+    strict = Thresholds(mean_logprob_fair=-0.01)
+    assert grade(_clean_stats(), strict) == ("fair", ["low_mean_logprob"])
+
+
+def test_page_quality_and_neighbours():
+    ids = list(range(400))
+    q = page_quality("eos", ids, [-0.01] * 399 + [-3.0], "Register of deeds, 1851. " * 8,
+                     "Register of deeds, 1851. " * 8)
+    assert q["finish_reason"] == "eos" and q["distinct_20"] == 1.0 and q["distinct_35"] == 1.0
+    assert q["min_logprob"] == -3.0 and q["mean_logprob"] == pytest.approx((399 * -0.01 - 3.0) / 400, abs=1e-4)
+    assert q["low_confidence_share"] == pytest.approx(1 / 400, abs=1e-4) and q["text_layer_ned"] == 0.0
+    assert page_quality("eos", ids, [], "x", None)["text_layer_ned"] is None  # no text layer: no comparison
+    looped = page_quality("length", [7, 8, 9] * 100, [-0.2] * 300, "abc" * 100, None)
+    assert looped["finish_reason"] == "repetition"
+    chars = [2000, 2100, 150, 1900]
+    assert neighbour_ratio(chars, 2) == pytest.approx(150 / 2000)
+    assert neighbour_ratio([50, 60], 0) is None  # too little text around to compare
+    graded = grade_document([{**_clean_stats(neighbour_chars_ratio=None), "chars": c} for c in chars])
+    assert [g["grade"] for g in graded] == ["good", "good", "fair", "good"]
+    assert graded[2]["reasons"] == ["chars_vs_neighbours"]
+
+
+# -- log-probabilities and fast mode on a tiny random model -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load_model(str(tiny_model_dir), "cpu", "float32")
+    torch.set_num_threads(previous)
+
+
+def test_every_mode_records_the_same_logprobs(loaded):
+    pages = [text_page(1), text_page(2)]
+    official = official_generate(loaded, pages, "multi", 60)
+    assert len(official.logprobs) == len(official.output_ids) == 60
+    for mode in ("plain", "lossless"):
+        res = SpeculativeDecoder(loaded, mode=mode).generate(pages, 60, reference_texts=["page 1 line", "page 2"])
+        assert res.output_ids == official.output_ids
+        assert res.logprobs == pytest.approx(official.logprobs, abs=1e-4)
+    assert all(lp <= 0.0 for lp in official.logprobs)
+
+
+def test_chunk_pages_carry_their_ids_and_logprobs(loaded):
+    out = SpeculativeDecoder(loaded, mode="plain").decode([text_page(3)], context_limit=4096, max_new_tokens=40)
+    page = out.pages[0]
+    assert page.ids == out.output_ids and len(page.logprobs) == 40 and page.stats["mode"] == "plain"
+
+
+def test_fast_round_accepts_a_likely_draft_and_then_emits_the_targets_token(loaded):
+    runner = RswaRunner(loaded.model)
+    inputs = official_inputs(loaded, [text_page(4)], "single")
+    prompt = inputs["input_ids"][0].tolist()
+
+    def start():
+        cache, logits = runner.prefill(inputs, max_step_tokens=4)
+        rule = NoRepeatNgramRule(35, 128, prompt)
+        first = greedy_token(logits, rule.banned())
+        rule.extend([first])
+        return cache, rule, first
+
+    cache, rule, first = start()
+    logits = runner.step(cache, [first])[0]
+    probs = logits.softmax(-1)
+    target = int(probs.argmax())
+    runner_up = int(probs.topk(2).indices[1])
+    p = float(probs[runner_up])
+    cache, rule, first = start()
+    lossless = verify_round(runner, cache, rule, first, [runner_up], loaded.eos_token_id)
+    assert lossless.emitted == [target] and lossless.relaxed == 0
+    cache, rule, first = start()
+    strict = verify_round(runner, cache, rule, first, [runner_up], loaded.eos_token_id, fast_threshold=min(1.0, p * 1.01))
+    assert strict.emitted == [target]  # below the threshold: the target's own token
+    cache, rule, first = start()
+    fast = verify_round(runner, cache, rule, first, [runner_up], loaded.eos_token_id, fast_threshold=p * 0.99)
+    assert fast.emitted[0] == runner_up and fast.relaxed == 1 and len(fast.emitted) == 2
+    assert fast.logprobs[0] == pytest.approx(math.log(p), abs=1e-4)
+    cache, rule, first = start()  # the token after the relaxed one is the target's choice after it
+    after = runner.step(cache, [first, runner_up])[1]
+    assert fast.emitted[1] == greedy_token(after, rule.banned([runner_up]))
+    cache, rule, first = start()  # never accept EOS (or the page separator) by probability
+    eos_draft = verify_round(runner, cache, rule, first, [runner_up], loaded.eos_token_id, fast_threshold=1e-9,
+                             strict_ids=frozenset({runner_up}))
+    assert eos_draft.emitted == [target]
+
+
+def test_fast_mode_is_complete_and_lossless_at_threshold_one(loaded):
+    pages = [text_page(5)]
+    lossless = SpeculativeDecoder(loaded, mode="lossless").generate(pages, 80)
+    wrong = [(t + 3) % 300 for t in lossless.output_ids]  # a replay draft that is always a bit wrong
+    exact = SpeculativeDecoder(loaded, mode="fast", fast_threshold=1.0).generate(pages, 80, replay_ids=wrong)
+    assert exact.output_ids == lossless.output_ids
+    loose = SpeculativeDecoder(loaded, mode="fast", fast_threshold=1e-6).generate(pages, 80, replay_ids=wrong)
+    stats = loose.extra["speculative"]
+    assert stats["mode"] == "fast" and stats["relaxed_tokens"] > 0
+    assert len(loose.output_ids) == 80  # never truncated: runs to the same limit
+    assert loose.output_ids != lossless.output_ids
