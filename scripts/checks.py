@@ -42,7 +42,7 @@ def overfit(model, tokenizer, pages, steps: int, lr: float = 2e-3, freeze_steps:
     tpp = dm.tokens_per_page(size)
     prompt = dm.prompt_ids(tokenizer, 1, tpp)
     batch = [(torch.from_numpy(a), torch.tensor(tokenizer.encode(lbl, add_special_tokens=False))) for a, lbl in pages]
-    ids, lengths, pixels, _ = make_batch(batch, 1, prompt, tokenizer.convert_tokens_to_ids(PAGE_SEPARATOR),
+    ids, lengths, pixels, _, _ = make_batch(batch, 1, prompt, tokenizer.convert_tokens_to_ids(PAGE_SEPARATOR),
                                       tokenizer.eos_token_id, tokenizer.pad_token_id, "cpu")
     vision = list(model.model.vision_tower.parameters())
     vis_ids = {id(p) for p in vision}
@@ -59,8 +59,8 @@ def overfit(model, tokenizer, pages, steps: int, lr: float = 2e-3, freeze_steps:
         for g in opt.param_groups:
             start = freeze_steps if g.get("vision") else 0
             g["lr"] = 0.0 if (g.get("vision") and frozen) else g["base"] * lr_factor(step - start, 0.0, 20)
-        loss, _, _ = loss_fn(model, ids, lengths, pixels, len(prompt), model.config.text_config.sliding_window,
-                          not frozen, torch.float32)
+        loss = loss_fn(model, ids, lengths, pixels, len(prompt), model.config.text_config.sliding_window,
+                       not frozen, torch.float32)["loss"]
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -1,6 +1,7 @@
 """Training data for the demo model: pages rendered on the fly by DataLoader workers, a replay pool, batches.
 
-`PageStream` yields (uint8 [S, S] page, int32 label ids, int16 character grid) from training seeds only
+`PageStream` yields (uint8 [S, S] page, int32 label ids, int16 character grid, int16 image slot per label
+token) from training seeds only
 (>= synth.HELD_OUT_LIMIT); `PagePool` pulls them in a thread and keeps a ring buffer so that a step never waits
 once the buffer holds a batch; `make_batch` builds right-padded 1- or n-page samples.
 """
@@ -43,10 +44,23 @@ class PageStream(torch.utils.data.IterableDataset):
             seed = self.seed_base + wid + nw * k
             k += 1
             d = float(self.difficulty.value)
-            for arr, label, grid in page_arrays(seed, 1 + seed % 3, self.size, self.scan_prob * d, d, self.kind,
-                                                chars=True):
-                ids = tok.encode(label, add_special_tokens=False).ids
-                yield torch.from_numpy(arr.copy()), torch.tensor(ids, dtype=torch.int32), char_tensor(grid, self.size)
+            for arr, label, grid, slots in page_arrays(seed, 1 + seed % 3, self.size, self.scan_prob * d, d,
+                                                       self.kind, chars=True, slots=True):
+                enc = tok.encode(label, add_special_tokens=False)
+                yield (torch.from_numpy(arr.copy()), torch.tensor(enc.ids, dtype=torch.int32),
+                       char_tensor(grid, self.size), token_slots(enc.offsets, slots))
+
+
+def token_slots(offsets: list[tuple[int, int]], char_slots) -> torch.Tensor:
+    """int16 per token: the image slot of the token's first character that has one (`synth.doc.char_slots`),
+    -1 for markup, boxes and whitespace-only tokens."""
+    out = torch.full((len(offsets),), -1, dtype=torch.int16)
+    for i, (a, b) in enumerate(offsets):
+        for j in range(a, min(b, len(char_slots))):
+            if char_slots[j] >= 0:
+                out[i] = int(char_slots[j])
+                break
+    return out
 
 
 def char_tensor(grid, size: int) -> torch.Tensor:
@@ -131,19 +145,29 @@ class PagePool:
         return out + [self.rng.choice(self.buf) for _ in range(n - len(out))]
 
 
-def make_batch(pages: list, n_pages: int, prompt: list[int], page_sep: int, eos: int, pad: int, device):
-    """Samples of n_pages consecutive entries of `pages` ((pixels, ids[, char grid]) each) -> input ids [B, T]
-    (right-padded), lengths, pixels [N, S, S] and, when the pages carry them, character grids [N, S/16, S/8]
-    (-100 = ignore)."""
-    seqs = []
+def make_batch(pages: list, n_pages: int, prompt: list[int], page_sep: int, eos: int, pad: int, device,
+               tpp: int | None = None):
+    """Samples of n_pages consecutive entries of `pages` ((pixels, ids[, char grid[, token slots]]) each) ->
+    input ids [B, T] (right-padded), lengths, pixels [N, S, S], character grids [N, S/16, S/8] (-100 = ignore;
+    None when the pages carry none) and alignment targets [B, T] (None without token slots or `tpp`): at the
+    position that predicts an output token, the sequence position of the image slot showing that token
+    (BOS is position 0, page k's slots start at 1 + k * tpp), else -1."""
+    seqs, aligns = [], []
+    with_slots = tpp is not None and all(len(p) > 3 for p in pages)
     for i in range(0, len(pages), n_pages):
         chunk = pages[i : i + n_pages]
         target: list[int] = []
-        for _, ids, *_ in chunk:
+        align: list[int] = []
+        for k, (_, ids, *rest) in enumerate(chunk):
             if n_pages > 1:
                 target.append(page_sep)
+                align.append(-1)
             target += ids.tolist()
+            if with_slots:
+                slots = rest[1].long()
+                align += torch.where(slots >= 0, slots + 1 + k * tpp, -1).tolist()
         seqs.append(prompt + target + [eos])
+        aligns.append(align)
     T = -(-max(len(s) for s in seqs) // 16) * 16  # a multiple of 16 suits the attention kernels
     ids = torch.full((len(seqs), T), pad, dtype=torch.long)
     for b, s in enumerate(seqs):
@@ -151,7 +175,15 @@ def make_batch(pages: list, n_pages: int, prompt: list[int], page_sep: int, eos:
     lengths = torch.tensor([len(s) for s in seqs])
     pixels = torch.stack([p[0] for p in pages])
     batch = (ids.to(device, non_blocking=True), lengths.to(device), pixels.to(device, non_blocking=True))
-    if all(len(p) > 2 for p in pages):
+    grids = None
+    if all(len(p) > 2 and p[2] is not None for p in pages):
         grids = torch.stack([p[2] for p in pages]).to(device, non_blocking=True).long()
-        return batch + (grids.masked_fill(grids < 0, -100),)
-    return batch + (None,)
+        grids = grids.masked_fill(grids < 0, -100)
+    targets = None
+    if with_slots:
+        targets = torch.full((len(seqs), T), -1, dtype=torch.long)
+        for b, align in enumerate(aligns):  # the query predicting output token j sits one position before it
+            start = len(prompt) - 1
+            targets[b, start : start + len(align)] = torch.tensor(align, dtype=torch.long)
+        targets = targets.to(device, non_blocking=True)
+    return batch + (grids, targets)

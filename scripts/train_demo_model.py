@@ -53,28 +53,42 @@ def log(msg: str, **fields) -> None:
     print(line, flush=True)
 
 
-def loss_fn(model, ids, lengths, pixels, prefix_len, window, grad_vision, pixel_dtype, aux_head=None, grids=None):
-    """Mean cross-entropy of the output tokens (prefix and padding excluded) under the R-SWA mask, its token
-    accuracy, and the auxiliary character loss (0 without aux_head / grids)."""
+def loss_fn(model, ids, lengths, pixels, prefix_len, window, grad_vision, pixel_dtype, aux_head=None, grids=None,
+            align=None, align_targets=None) -> dict:
+    """Under the R-SWA mask: `loss` (mean cross-entropy of the output tokens, prefix and padding excluded),
+    `acc` (token accuracy), `word_acc` (accuracy on tokens that show on the page, when `align_targets` say
+    which), `aux` (auxiliary character/position loss, 0 without aux_head / grids), `align` and `align_acc`
+    (guided-attention loss and hit rate, 0 without `align`)."""
     T = ids.shape[1]
-    if aux_head is not None:
-        aux_head.active = True
-    logits, tokens = dm.score(model, ids, dm.pixels_from_uint8(pixels, pixel_dtype), prefix_len, window,
-                              grad_vision=grad_vision, keep=T - prefix_len + 1, return_tokens=True)
-    if aux_head is not None:
-        aux_head.active = False
+    for head in (aux_head, align):
+        if head is not None:
+            head.active = True
+    try:
+        logits, tokens = dm.score(model, ids, dm.pixels_from_uint8(pixels, pixel_dtype), prefix_len, window,
+                                  grad_vision=grad_vision, keep=T - prefix_len + 1, return_tokens=True)
+    finally:
+        for head in (aux_head, align):
+            if head is not None:
+                head.active = False
     logits = logits[:, :-1].float()
     targets = ids[:, prefix_len:]
     valid = torch.arange(prefix_len, T, device=ids.device)[None] < lengths[:, None]
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
     valid_f = valid.reshape(-1).float()
-    acc = ((logits.argmax(-1) == targets) & valid).sum() / valid.sum()
-    aux = torch.zeros((), device=ids.device)
+    right = logits.argmax(-1) == targets
+    out = {"loss": (loss * valid_f).sum() / valid_f.sum(), "acc": (right & valid).sum() / valid.sum()}
+    zero = torch.zeros((), device=ids.device)
+    out["word_acc"] = zero
+    if align_targets is not None:
+        words = align_targets[:, prefix_len - 1 : T - 1] >= 0
+        out["word_acc"] = (right & words).sum() / words.sum().clamp(min=1)
+    out["aux"] = zero
     if aux_head is not None and grids is not None and (grids > 0).any():
-        aux = aux_head.loss(tokens, grids)
+        out["aux"] = aux_head.loss(tokens, grids)
     elif aux_head is not None:
         aux_head._sam_out = None
-    return (loss * valid_f).sum() / valid_f.sum(), acc, aux
+    out["align"], out["align_acc"] = align.loss(align_targets) if align is not None else (zero, zero)
+    return out
 
 
 # ---------------------------------------------------------------- greedy decoding (official rule)
@@ -113,6 +127,20 @@ def held_out_pages(n: int, size: int, seed0: int, n_pages: int = 1, kind="docume
     assert seed0 + n <= HELD_OUT_LIMIT
     docs = [page_arrays(seed0 + k, n_pages, size, 0.0, 1.0, kind) for k in range(n)]
     return docs
+
+
+def teacher_forced_pages(tokenizer, n: int, size: int, seed0: int, kind: str = "document") -> list[tuple]:
+    """Held-out single pages as `make_batch` items (pixels, ids, no char grid, image slot per token)."""
+    from scripts.demo_data import token_slots
+
+    assert seed0 + n <= HELD_OUT_LIMIT
+    out = []
+    for k in range(n):
+        for arr, label, slots in page_arrays(seed0 + k, 1, size, 0.0, 1.0, kind, slots=True):
+            enc = tokenizer(label, add_special_tokens=False, return_offsets_mapping=True)
+            out.append((torch.from_numpy(arr), torch.tensor(enc["input_ids"]), None,
+                        token_slots(enc["offset_mapping"], slots)))
+    return out
 
 
 def greedy_cer(model, tokenizer, docs, tpp, pixel_dtype, max_new_per_page=900, max_time=None):
@@ -225,12 +253,15 @@ def train(args) -> dict:
 
         aux_head = dm.AuxHeads(model, N_CHAR_CLASSES).to(device)
         groups.append(dict(params=list(aux_head.parameters()), weight_decay=0.0, base=args.lr))
+    align = None
+    if args.align_weight > 0:
+        align = dm.AlignLoss(model, [int(v) for v in args.align_layers.split(",") if v.strip()], args.align_heads)
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if cuda else {}))
     step, unfrozen_at = 0, None
     if state is not None and "step" in state:
         step = state["step"]
         if aux_head is not None and state.get("aux"):
-            aux_head.load_state_dict(state["aux"])
+            aux_head.load_state_dict(state["aux"], strict=False)  # older states have no position head
         if len(state["optimizer"]["param_groups"]) == len(groups):
             opt.load_state_dict(state["optimizer"])
     vision_unfrozen = bool(state and state.get("vision_unfrozen"))
@@ -240,17 +271,15 @@ def train(args) -> dict:
         unfrozen_at = step
 
     eval_docs = held_out_pages(args.eval_pages, size, 900_000, kind=args.kind)
-    tf_docs = held_out_pages(16, size, 910_000, kind=args.kind)
-    tf_pages = [(torch.from_numpy(a), torch.tensor(tokenizer.encode(lbl, add_special_tokens=False))) for d in tf_docs
-                for a, lbl in d]
+    tf_pages = teacher_forced_pages(tokenizer, 16, size, 910_000, args.kind)
     page_sep, eos, pad = tokenizer.convert_tokens_to_ids(PAGE_SEPARATOR), tokenizer.eos_token_id, tokenizer.pad_token_id
     prompts = {n: dm.prompt_ids(tokenizer, n, tpp) for n in range(1, 5)}
     train_end = deadline - args.reserve_seconds
     train_start = time.time()
     first_step = step
     log("training", until_s=round(train_end - START, 1), experts=experts, workers=args.workers)
-    history, last_eval, last_log, t_loss, t_acc, t_n = [], time.time(), time.time(), 0.0, 0.0, 0
-    last_greedy, t_aux = time.time(), 0.0
+    history, last_eval, last_log, sums, t_n = [], time.time(), time.time(), {}, 0
+    last_greedy = time.time()
     rng = random.Random(args.seed + step)
     warm_wait = args.pages_per_step
     last_save, error = time.time(), None
@@ -276,7 +305,8 @@ def train(args) -> dict:
             per = max(1, args.pages_per_step // n_pages)
             pages = pool.take(per * n_pages, wait_min=warm_wait)
             warm_wait = 0
-            ids, lengths, pixels, grids = make_batch(pages, n_pages, prompts[n_pages], page_sep, eos, pad, device)
+            ids, lengths, pixels, grids, targets = make_batch(pages, n_pages, prompts[n_pages], page_sep, eos, pad,
+                                                              device, tpp)
             for g in opt.param_groups:
                 if g.get("vision"):
                     f = 0.0 if not vision_unfrozen else lr_factor(step - unfrozen_at, frac, args.vision_warmup)
@@ -286,27 +316,29 @@ def train(args) -> dict:
             model.train()
             try:
                 with amp():
-                    loss, acc, aux = loss_fn(model, ids, lengths, pixels, len(prompts[n_pages]), window,
-                                             vision_unfrozen, pixel_dtype, aux_head, grids)
+                    res = loss_fn(model, ids, lengths, pixels, len(prompts[n_pages]), window, vision_unfrozen,
+                                  pixel_dtype, aux_head, grids, align, targets)
                 opt.zero_grad(set_to_none=True)
-                (loss + args.aux_weight * aux).backward()
+                (res["loss"] + args.aux_weight * res["aux"] + args.align_weight * res["align"]).backward()
             except torch.cuda.OutOfMemoryError:
                 opt.zero_grad(set_to_none=True)
-                loss = acc = None
+                res = None
                 torch.cuda.empty_cache()
                 log("out of memory: batch skipped", n_pages=n_pages, shape=list(ids.shape))
                 continue
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             step += 1
-            t_loss, t_acc, t_n = t_loss + loss.detach(), t_acc + acc.detach(), t_n + 1
-            t_aux = t_aux + aux.detach()
+            sums = {k: sums.get(k, 0.0) + v.detach() for k, v in res.items()}
+            t_n += 1
             now = time.time()
             if now - last_log >= args.log_every:
-                log("train", step=step, loss=float(t_loss) / t_n, tok_acc=float(t_acc) / t_n,
-                    aux_loss=float(t_aux) / t_n, difficulty=difficulty.value, lr=opt.param_groups[0]["lr"],
-                    fresh=pool.fresh_used, replayed=pool.replayed, steps_per_s=t_n / (now - last_log))
-                last_log, t_loss, t_acc, t_aux, t_n = now, 0.0, 0.0, 0.0, 0
+                means = {k: float(v) / t_n for k, v in sums.items()}
+                log("train", step=step, loss=means["loss"], tok_acc=means["acc"], word_acc=means["word_acc"],
+                    aux_loss=means["aux"], align_loss=means["align"], align_acc=means["align_acc"],
+                    difficulty=difficulty.value, lr=opt.param_groups[0]["lr"], fresh=pool.fresh_used,
+                    replayed=pool.replayed, steps_per_s=t_n / (now - last_log))
+                last_log, sums, t_n = now, {}, 0
             if now - last_eval >= args.eval_every and now + 30 < train_end:
                 do_greedy = now - last_greedy >= args.greedy_every
                 history.append(evaluate(model, tokenizer, tf_pages, eval_docs, tpp, window, prompts, page_sep, eos,
@@ -363,9 +395,11 @@ def evaluate(model, tokenizer, tf_pages, eval_docs, tpp, window, prompts, page_s
     t = time.time()
     model.eval()
     with torch.no_grad(), amp():
-        ids, lengths, pixels, _ = make_batch(tf_pages, 1, prompts[1], page_sep, eos, pad, device)
-        loss, acc, _ = loss_fn(model, ids, lengths, pixels, len(prompts[1]), window, False, pixel_dtype)
-    out = {"step": step, "heldout_loss": loss.item(), "heldout_tok_acc": acc.item()}
+        ids, lengths, pixels, _, targets = make_batch(tf_pages, 1, prompts[1], page_sep, eos, pad, device, tpp)
+        res = loss_fn(model, ids, lengths, pixels, len(prompts[1]), window, False, pixel_dtype,
+                      align_targets=targets)
+    out = {"step": step, "heldout_loss": res["loss"].item(), "heldout_tok_acc": res["acc"].item(),
+           "heldout_word_acc": res["word_acc"].item()}
     if greedy_pages:
         with amp():
             out.update({f"greedy_{k}": v for k, v in greedy_cer(model, tokenizer, eval_docs[:greedy_pages], tpp,
@@ -420,6 +454,10 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=150)
     ap.add_argument("--vision-warmup", type=int, default=100)
     ap.add_argument("--freeze-frac", type=float, default=0.1, help="share of the time with the vision tower frozen")
+    ap.add_argument("--align-weight", type=float, default=1.0,
+                    help="guided-attention loss weight (dm.AlignLoss); 0 turns it off")
+    ap.add_argument("--align-layers", default="1,2,3", help="decoder layers whose first heads are guided")
+    ap.add_argument("--align-heads", type=int, default=1, help="guided heads per layer (the first ones)")
     ap.add_argument("--aux-weight", type=float, default=1.0,
                     help="weight of the auxiliary character-grid losses on the SAM patches and vision tokens (0 = off;"
                          " DESIGN's plain recipe is --aux-weight 0 --freeze-frac 0.3 --vision-lr-ratio 0.1)")

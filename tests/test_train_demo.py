@@ -98,15 +98,68 @@ def test_auxiliary_character_losses_reach_the_vision_tower(tiny):
     pages = [(torch.from_numpy(a), torch.tensor(tokenizer.encode(lbl, add_special_tokens=False)), char_tensor(g, size))
              for a, lbl, g in items]
     prompt = dm.prompt_ids(tokenizer, 1, dm.tokens_per_page(size))
-    ids, lengths, pixels, grids = make_batch(pages, 1, prompt, 11, 1, 2, "cpu")
-    assert grids.shape == (2, size // 16, size // 8) and (grids > 0).any()
+    ids, lengths, pixels, grids, targets = make_batch(pages, 1, prompt, 11, 1, 2, "cpu")
+    assert grids.shape == (2, size // 16, size // 8) and (grids > 0).any() and targets is None
     heads = dm.AuxHeads(model, N_CHAR_CLASSES)
     model.train()
     model.zero_grad(set_to_none=True)
-    loss, _, aux = loss_fn(model, ids, lengths, pixels, len(prompt), 128, True, torch.float32, heads, grids)
+    res = loss_fn(model, ids, lengths, pixels, len(prompt), 128, True, torch.float32, heads, grids)
+    loss, aux = res["loss"], res["aux"]
     (loss + aux).backward()
     assert torch.isfinite(aux) and aux > 0
     assert model.model.vision_tower.sam_encoder.patch_embed.projection.weight.grad.abs().sum() > 0
     heads.remove()
+    model.zero_grad(set_to_none=True)
+    model.eval()
+
+
+def test_char_slots_point_at_the_vision_token_showing_each_character():
+    from scripts.synth import page_arrays
+    from scripts.synth.text import CHAR_INDEX, N_CHAR_CLASSES
+
+    checked = agree = 0
+    for arr, label, grid, slots in page_arrays(800_000, 2, 1024, chars=True, slots=True):
+        assert slots.shape == (len(label),)
+        assert (slots[[i for i, ch in enumerate(label) if ch.isspace()]] == -1).all()
+        assert label.startswith("<|det|>") and (slots[: label.index("<|/det|>") + 8] == -1).all()  # markup: none
+        for j, s in enumerate(slots):
+            if s < 0:
+                continue
+            r, c = divmod(int(s), 17)  # 16 tokens a row + the newline slot
+            assert 0 <= r < 16 and 0 <= c < 16
+            checked += 1
+            agree += CHAR_INDEX.get(label[j], N_CHAR_CLASSES - 1) in grid[4 * r : 4 * r + 4, 8 * c : 8 * c + 8]
+    assert checked > 500 and agree / checked > 0.95
+
+
+def test_alignment_loss_targets_image_slots_and_trains_the_guided_heads(tiny):
+    from scripts.demo_data import token_slots
+    from scripts.synth import page_arrays
+    from scripts.train_demo_model import loss_fn, make_batch
+
+    model, tokenizer = tiny
+    size = dm.PRESETS["tiny"]["image_size"]
+    tpp = dm.tokens_per_page(size)
+    pages = []
+    for a, lbl, g, sl in page_arrays(3, 2, size, chars=True, slots=True):
+        enc = tokenizer(lbl, add_special_tokens=False, return_offsets_mapping=True)
+        pages.append((torch.from_numpy(a), torch.tensor(enc["input_ids"]), torch.from_numpy(g.astype("int16")),
+                      token_slots(enc["offset_mapping"], sl)))
+    prompt = dm.prompt_ids(tokenizer, 2, tpp)
+    ids, lengths, pixels, grids, targets = make_batch(pages, 2, prompt, 11, 1, 2, "cpu", tpp)
+    aimed = targets[targets >= 0]
+    assert len(aimed) > 0 and (ids[0, aimed] == model.config.image_token_id).all()  # every target is an image slot
+    assert (aimed > tpp).any()  # the second page's tokens aim at the second image
+    align = dm.AlignLoss(model, [1], 1)
+    model.train()
+    model.zero_grad(set_to_none=True)
+    res = loss_fn(model, ids, lengths, pixels, len(prompt), 128, True, torch.float32, align=align,
+                  align_targets=targets)
+    assert torch.isfinite(res["align"]) and res["align"] > 0 and 0 <= res["align_acc"] <= 1
+    res["align"].backward()
+    q = model.model.language_model.layers[1].self_attn.q_proj.weight.grad
+    hd = model.model.language_model.layers[1].self_attn.head_dim
+    assert q[:hd].abs().sum() > 0 and q[hd:].abs().sum() == 0  # only the guided head's query is trained
+    align.remove()
     model.zero_grad(set_to_none=True)
     model.eval()

@@ -19,7 +19,7 @@ import re
 import pymupdf
 from PIL import Image
 
-from scripts.synth.doc import char_grid, draw_page, layout_page, make_style, page_label
+from scripts.synth.doc import char_grid, char_slots, draw_page, layout_page, make_style, page_label
 from scripts.synth.raster import render_long_side, scanify, to_square
 
 PAGE_SEPARATOR = "<PAGE>"
@@ -89,10 +89,11 @@ def render_pages(pdf_bytes: bytes, size: int = 1024) -> list[Image.Image]:
 
 
 def page_arrays(seed: int, n_pages: int, size: int, scan_prob: float = 0.0, difficulty: float = 1.0,
-                kind: str = "document", chars: bool = False) -> list[tuple]:
+                kind: str = "document", chars: bool = False, slots: bool = False) -> list[tuple]:
     """Fast path for training: each page's base-mode square (uint8, one channel) and its label; with
     chars=True also its character grid (`doc.char_grid`; None for scan-like pages, whose slight rotation
-    moves the characters)."""
+    moves the characters); with slots=True also, per label character, the vision token showing it
+    (`doc.char_slots`, -1 for markup)."""
     doc, labels, layouts, page_size = _build(seed, n_pages, difficulty, kind)
     out = []
     for i, page in enumerate(doc):
@@ -104,6 +105,8 @@ def page_arrays(seed: int, n_pages: int, size: int, scan_prob: float = 0.0, diff
         item = (to_square(arr, size), labels[i])
         if chars:
             item += (None if scanned else char_grid(layouts[i], page_size, size),)
+        if slots:  # a scan's slight rotation (<= 1.5 degrees) moves a character by far less than one token
+            item += (char_slots(layouts[i], page_size, size, labels[i]),)
         out.append(item)
     doc.close()
     return out

@@ -324,13 +324,7 @@ def char_grid(elements: list[Element], page_size: tuple[float, float], size: int
     """Where each character's centre lands in the model's base-mode square of `size` pixels, on a grid of
     16-pixel rows and 8-pixel columns ([size // 16, size // 8], uint16 class ids, 0 = nothing): the target of
     the auxiliary vision loss (each vision token, 64 x 64 pixels, covers 4 x 8 cells)."""
-    W, H = page_size
-    if size <= 640:  # the processor stretches small bases to a square
-        sx, sy, ox, oy = size / W, size / H, 0.0, 0.0
-    else:
-        z = size / max(W, H)
-        sx = sy = z
-        ox, oy = (size - round(W * z)) // 2, (size - round(H * z)) // 2
+    sx, sy, ox, oy = _square_transform(page_size, size)
     grid = np.zeros((size // 16, size // 8), dtype=np.uint16)
     other = T.N_CHAR_CLASSES - 1
     for el in elements:
@@ -349,6 +343,46 @@ def char_grid(elements: list[Element], page_size: tuple[float, float], size: int
                         grid[cy, cx] = T.CHAR_INDEX.get(ch, other)
                 x += w
     return grid
+
+
+def _square_transform(page_size: tuple[float, float], size: int) -> tuple[float, float, float, float]:
+    """(sx, sy, ox, oy): page points -> pixels of the model's base-mode square (as the processor pads/stretches)."""
+    W, H = page_size
+    if size <= 640:  # the processor stretches small bases to a square
+        return size / W, size / H, 0.0, 0.0
+    z = size / max(W, H)
+    return z, z, (size - round(W * z)) // 2, (size - round(H * z)) // 2
+
+
+def char_slots(elements: list[Element], page_size: tuple[float, float], size: int, label: str) -> np.ndarray:
+    """For each character of `label` (`page_label(elements, ...)`), the vision token that shows it, as its index
+    among the page's image slots (row * (q + 1) + column, q = size // 64 tokens a side, the newline slot ending
+    each row); -1 for markup, boxes and spaces. The target of the training-time alignment loss."""
+    sx, sy, ox, oy = _square_transform(page_size, size)
+    q = size // 64
+    out = np.full(len(label), -1, dtype=np.int16)
+    pos = 0
+    for el in elements:
+        start = label.find("<|/det|>", label.find("<|det|>" + el.label, pos)) + len("<|/det|>")
+        pos = start
+        for ln in el.lines:
+            k = label.find(ln.text, pos)
+            if k < 0:
+                continue
+            cy = int(((ln.y - 0.35 * ln.size) * sy + oy) // 64)
+            adv = _ADVANCE.setdefault(ln.font, {})
+            x = ln.x
+            for j, ch in enumerate(ln.text):
+                a = adv.get(ch)
+                if a is None:
+                    a = adv[ch] = font(ln.font).text_length(ch, fontsize=1.0)
+                w = a * ln.size
+                cx = int(((x + w / 2) * sx + ox) // 64)
+                if not ch.isspace() and 0 <= cy < q and 0 <= cx < q:
+                    out[k + j] = cy * (q + 1) + cx
+                x += w
+            pos = k + len(ln.text)
+    return out
 
 
 def draw_page(page: pymupdf.Page, elements: list[Element]) -> None:
