@@ -1,0 +1,47 @@
+"""Smoke tests of the GPU scripts in their CPU modes (tiny random models, static backend, short outputs)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from scripts import bench_engine, gpu_check
+
+
+def _last_json(capsys) -> dict:
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_bench_engine_tiny_smoke(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    threads = torch.get_num_threads()
+    try:
+        rc = bench_engine.main(["--tiny", "--quick", "--tokens", "40", "--rates", "0,100", "--moe", "grouped,gather",
+                                "--mem-tokens", "20,40", "--json", str(path)])
+    finally:
+        torch.set_num_threads(threads)
+    report = _last_json(capsys)
+    assert rc == 0 and report == json.loads(path.read_text())
+    assert {"torch", "transformers", "gpu"} <= set(report["environment"])
+    (chunk,) = report["chunks"]
+    runs = chunk["runs"]
+    assert set(runs) == {"official", "plain", "lossless-0%", "lossless-100%", "plain[gather]", "lossless-0%[gather]"}
+    assert not chunk["errors"] and runs["official"]["full_length"]
+    assert all(r["exact"] and r["tokens"] == 40 for r in runs.values())
+    assert runs["lossless-0%"]["tau"] > 5 and runs["lossless-100%"]["tau"] == 0
+    assert runs["plain"]["backend"] == "static" and "verify_s" in runs["plain"]["time_split"]
+    assert set(report["memory"]) >= {"20", "40"}
+
+
+def test_gpu_check_tiny_smoke(capsys):
+    threads = torch.get_num_threads()
+    try:
+        rc = gpu_check.main(["--tiny", "--pages", "1", "--bf16-pages", "1", "--max-new-tokens", "30"])
+    finally:
+        torch.set_num_threads(threads)
+    report = _last_json(capsys)
+    assert rc == 0 and report["fp32_exact"]
+    fp32 = report["runs"]["float32"]["summary"]
+    assert all(s["identical"] == s["pages"] == 1 for s in fp32.values())
+    assert 0.0 <= report["runs"]["bfloat16"]["summary"]["plain"]["token_match_rate"] <= 1.0
