@@ -43,7 +43,7 @@ class FastDecoder(SpeculativeDecoder):
     (benchmarks use it to feed drafts of a controlled quality). prefix_capacity: see StaticRswaRunner."""
 
     def __init__(self, loaded: LoadedModel, mode: str = "lossless", k_max: int = 16,
-                 drafters: tuple[str, ...] = DRAFTERS, backend: str = "auto", moe: str = "grouped",
+                 drafters: tuple[str, ...] = DRAFTERS, backend: str = "auto", moe: str = "auto",
                  drafter_factory: DrafterFactory | None = None, prefix_capacity: int = 0):
         super().__init__(loaded, mode=mode, k_max=k_max, drafters=drafters)
         if backend not in BACKENDS:
@@ -51,7 +51,7 @@ class FastDecoder(SpeculativeDecoder):
         if mode not in ("plain", "lossless") and backend != "eager":
             logger.info("mode {!r} has no static path yet: eager engine", mode)
             backend = "eager"
-        self.moe = moe
+        self.moe = moe  # resolved by the static runner (auto -> grouped/gather)
         self.drafter_factory = drafter_factory
         self.fallback_reason: str | None = None
         self.static: StaticRswaRunner | None = None
@@ -67,6 +67,7 @@ class FastDecoder(SpeculativeDecoder):
         self.backend = backend
         if backend in ("graphs", "static"):
             self.static = StaticRswaRunner(loaded.model, k_max + 1, moe=moe, prefix_capacity=prefix_capacity)
+            self.moe = self.static.moe
         if backend == "graphs":
             try:
                 self.static.graphs = StepGraphs(self.static.step_body, loaded.device)

@@ -9,9 +9,10 @@ weight * down(act(gate(x)) * up(x)). Shapes depend on T only, never on the routi
   implementation, so the same arithmetic as the official path. Sorts the T*k (token, expert) pairs by
   expert and runs one grouped GEMM per projection over offsets computed on the device (histc, no
   bincount): each routed expert's weights are read once, no copies. Needs ``torch.nn.functional.grouped_mm``
-  or ``torch._grouped_mm`` (CUDA sm80+, bf16 surely; other dtypes: see docs/benchmarks.md).
+  or ``torch._grouped_mm`` (documented for bf16 on CUDA sm80+; the CPU kernel takes fp32 too).
 - ``gather``: index the weights of the T*k routed experts (a copy of T*k expert matrices), then batched
   matrix-vector products. Bytes ~3x the routed weights: cheap for T = 1-2, ruinous for T = 16 (~100 pairs).
+- ``auto``: ``grouped`` on the CPU and on CUDA in bf16, ``gather`` otherwise (fp32 on CUDA).
 - ``dense``: every expert on every token, weights zero for experts not routed. Reads all E experts'
   weights whatever T is (~440 MB per layer at full size): flat cost, plausible for wide verify steps.
 """
@@ -20,7 +21,29 @@ from __future__ import annotations
 
 import torch
 
-MOE_IMPLS = ("grouped", "gather", "dense")
+MOE_IMPLS = ("auto", "grouped", "gather", "dense")
+
+
+def resolve(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``auto``: ``grouped`` where its kernel exists (CPU; CUDA in bf16), else ``gather`` (any dtype)."""
+    if name not in MOE_IMPLS:
+        raise ValueError(f"moe must be one of {MOE_IMPLS}, not {name!r}")
+    if name != "auto":
+        return name
+    return "grouped" if device.type == "cpu" or dtype == torch.bfloat16 else "gather"
+
+
+def make_official_experts_runnable(model) -> str | None:
+    """On CUDA, transformers' default ``grouped_mm`` experts need bf16 (torch documents grouped_mm for bf16 on
+    sm80+); in fp32 the official generate() would fail. Switch the model to the ``eager`` experts (the
+    reference loop) there; returns the implementation set, or None when nothing changed."""
+    param = model.lm_head.weight
+    config = model.config.get_text_config()
+    if param.device.type == "cuda" and param.dtype != torch.bfloat16 and \
+            getattr(config, "_experts_implementation", None) == "grouped_mm":
+        model.set_experts_implementation("eager")
+        return "eager"
+    return None
 
 
 def grouped(experts, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -51,6 +74,6 @@ def dense(experts, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
 
 
 def experts_forward(name: str):
-    if name not in MOE_IMPLS:
-        raise ValueError(f"moe must be one of {MOE_IMPLS}, not {name!r}")
+    if name not in MOE_IMPLS or name == "auto":
+        raise ValueError(f"moe must be one of {MOE_IMPLS[1:]} here (resolve 'auto' first), not {name!r}")
     return {"grouped": grouped, "gather": gather, "dense": dense}[name]

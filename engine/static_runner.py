@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from transformers.models.unlimited_ocr.modeling_unlimited_ocr import apply_rotary_pos_emb
 
 from engine.runner import RswaRunner
-from engine.static_moe import experts_forward
+from engine.static_moe import experts_forward, resolve
 
 EMPTY = -(2**62)  # tag of a ring slot never written in this chunk: outside every window
 ALIGN = 16
@@ -69,7 +69,7 @@ class StaticRswaRunner:
     """max_step_tokens: widest step (k_max drafts + the last committed token). moe: see `engine.static_moe`.
     prefix_capacity: allocate for at least this many prefix tokens at the first prefill (fewer regrowths)."""
 
-    def __init__(self, model, max_step_tokens: int, moe: str = "grouped", prefix_capacity: int = 0):
+    def __init__(self, model, max_step_tokens: int, moe: str = "auto", prefix_capacity: int = 0):
         self.model = model
         self.embedder = RswaRunner(model)  # validates the layer types; builds prompt embeddings (vision)
         self.text = model.model.language_model
@@ -79,8 +79,9 @@ class StaticRswaRunner:
         self.head_dim = self.embedder.head_dim
         self.groups = config.num_attention_heads // config.num_key_value_heads
         self.sparse = [kind == "sparse" for kind in config.mlp_layer_types]
-        self.moe = moe
-        self._experts = experts_forward(moe)
+        weight = self.text.embed_tokens.weight
+        self.moe = resolve(moe, weight.device, weight.dtype)
+        self._experts = experts_forward(self.moe)
         self.widths = width_buckets(max_step_tokens)
         self.max_width = self.widths[-1]
         self.ring_size = math.ceil((self.window + self.max_width - 1) / ALIGN) * ALIGN

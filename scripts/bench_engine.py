@@ -353,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, help="output tokens per run (default 2048; quick 512)")
     ap.add_argument("--pages", help="comma-separated chunk sizes (default 1,16; quick 1)")
     ap.add_argument("--rates", help="comma-separated draft error rates in %% (default 0,10,30,100)")
-    ap.add_argument("--moe", default="grouped", help="comma-separated: grouped,dense,gather (first = main)")
+    ap.add_argument("--moe", default="auto", help="comma-separated: auto,grouped,dense,gather (first = main; auto is "
+                    "grouped in bf16)")
     ap.add_argument("--mem-tokens", help="comma-separated output lengths for peak memory (default 1024,8192)")
     ap.add_argument("--k-max", type=int, default=16)
     ap.add_argument("--backend", default=None, help="auto|graphs|static|eager (default: graphs on CUDA, static on CPU)")

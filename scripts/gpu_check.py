@@ -62,8 +62,12 @@ def check(model_path: str, dtype: str, pages, args, deadline: float, log) -> dic
     from engine.fast_decoder import FastDecoder
     from engine.model import load_model
     from engine.official import official_generate
+    from engine.static_moe import make_official_experts_runnable
 
     loaded = load_model(model_path, args.device, dtype)
+    experts_switched = make_official_experts_runnable(loaded.model)  # fp32 on CUDA: eager experts
+    if experts_switched:
+        log(f"  {dtype}: official experts implementation set to {experts_switched!r} (grouped_mm needs bf16)")
     vocab = loaded.model.config.text_config.vocab_size
     decoders = {
         "plain": FastDecoder(loaded, mode="plain", backend=args.backend, moe=args.moe),
@@ -72,6 +76,7 @@ def check(model_path: str, dtype: str, pages, args, deadline: float, log) -> dic
         "replay-10%": FastDecoder(loaded, mode="lossless", backend=args.backend, moe=args.moe, drafters=("replay",)),
     }
     out = {"dtype": dtype, "pages": [], "backend": {k: d.backend for k, d in decoders.items()},
+           "moe": decoders["plain"].moe, "official_experts": experts_switched or "model default",
            "fallback": {k: d.fallback_reason for k, d in decoders.items() if d.fallback_reason}}
     seconds = {name: 0.0 for name in ("official", *RUNS)}
     for seed, image, text in pages:
@@ -129,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed0", type=int, default=900_000, help="first held-out seed (< 1,000,000)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--backend", default=None, help="graphs (CUDA default) | static (CPU default) | auto | eager")
-    ap.add_argument("--moe", default="grouped")
+    ap.add_argument("--moe", default="auto", help="auto (grouped in bf16, gather in fp32 on CUDA) | grouped | gather | dense")
     ap.add_argument("--budget-s", type=float, default=540.0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)

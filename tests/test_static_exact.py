@@ -213,15 +213,29 @@ def test_capture_failure_falls_back_to_the_eager_engine(models, official):
 
 # --- CUDA graphs (GPU only) -------------------------------------------------------------------------------
 
+def test_moe_auto_choice():
+    from engine.static_moe import resolve
+
+    assert resolve("auto", torch.device("cpu"), torch.float32) == "grouped"
+    assert resolve("auto", torch.device("cuda"), torch.bfloat16) == "grouped"
+    assert resolve("auto", torch.device("cuda"), torch.float32) == "gather"  # grouped_mm is bf16-only on CUDA
+    assert resolve("dense", torch.device("cuda"), torch.float32) == "dense"
+    with pytest.raises(ValueError):
+        resolve("sparse", torch.device("cpu"), torch.float32)
+
+
 @CUDA
 @pytest.mark.parametrize("window", [8, 128])
 @pytest.mark.parametrize("n_pages", [1, 3])
 def test_cuda_graphs_equal_official_fp32(folders, window, n_pages):
+    from engine.static_moe import make_official_experts_runnable
+
     loaded = load_model(folders[window], "cuda", "float32")
+    make_official_experts_runnable(loaded.model)
     pages = _pages(n_pages)
     expected = official_generate(loaded, pages, _kind(n_pages), LENGTHS[window]).output_ids
     vocab = loaded.model.config.text_config.vocab_size
-    for moe in ["grouped", "dense", "gather"]:
+    for moe in ["auto", "dense", "gather"]:
         plain = FastDecoder(loaded, mode="plain", backend="graphs", moe=moe)
         res = plain.generate(pages, LENGTHS[window])
         assert plain.backend == "graphs", plain.fallback_reason
@@ -242,3 +256,19 @@ def test_logprobs_match_the_eager_engine(models):
     static = FastDecoder(models[8], mode="plain", backend="static").generate(_pages(1), LENGTHS[8])
     assert static.output_ids == eager.output_ids
     torch.testing.assert_close(torch.tensor(static.logprobs), torch.tensor(eager.logprobs), rtol=1e-4, atol=1e-4)
+
+
+@CUDA
+@pytest.mark.parametrize("n_pages", [1, 3])
+def test_cuda_graph_replays_equal_the_same_step_run_eagerly_bf16(folders, n_pages):
+    """Same kernels, same shapes: the graphs path must give exactly the static path's tokens, in bf16 too."""
+    loaded = load_model(folders[128], "cuda", "bfloat16")
+    pages = _pages(n_pages)
+    vocab = loaded.model.config.text_config.vocab_size
+    for moe in ["grouped", "dense", "gather"]:
+        eager = FastDecoder(loaded, mode="plain", backend="static", moe=moe).generate(pages, 300).output_ids
+        graphs = FastDecoder(loaded, mode="plain", backend="graphs", moe=moe)
+        assert graphs.generate(pages, 300).output_ids == eager and graphs.backend == "graphs", moe
+        replay = _corrupt(eager, vocab, "random_half")
+        assert _ids(loaded, pages, 300, backend="graphs", moe=moe, replay_ids=replay) == \
+            _ids(loaded, pages, 300, backend="static", moe=moe, replay_ids=replay), moe
