@@ -38,13 +38,14 @@ DrafterFactory = Callable[[str, "list[str] | None", "list[int] | None"], list[Dr
 
 
 class FastDecoder(SpeculativeDecoder):
-    """moe: routed-expert implementation of the static step (`engine.static_moe`).
+    """moe: routed-expert implementation of the static step (`engine.static_moe`); attn: its attention
+    (``sdpa`` or ``matmul``, see `engine.static_runner`).
     drafter_factory: (prompt kind, reference_texts, replay_ids) -> drafters, replacing the named ones
     (benchmarks use it to feed drafts of a controlled quality). prefix_capacity: see StaticRswaRunner."""
 
     def __init__(self, loaded: LoadedModel, mode: str = "lossless", k_max: int = 16,
                  drafters: tuple[str, ...] = DRAFTERS, backend: str = "auto", moe: str = "auto",
-                 drafter_factory: DrafterFactory | None = None, prefix_capacity: int = 0):
+                 drafter_factory: DrafterFactory | None = None, prefix_capacity: int = 0, attn: str = "sdpa"):
         super().__init__(loaded, mode=mode, k_max=k_max, drafters=drafters)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
@@ -66,7 +67,8 @@ class FastDecoder(SpeculativeDecoder):
             raise ValueError(f"backend 'graphs' needs the model on a CUDA device, not {loaded.device}")
         self.backend = backend
         if backend in ("graphs", "static"):
-            self.static = StaticRswaRunner(loaded.model, k_max + 1, moe=moe, prefix_capacity=prefix_capacity)
+            self.static = StaticRswaRunner(loaded.model, k_max + 1, moe=moe, prefix_capacity=prefix_capacity,
+                                           attn=attn)
             self.moe = self.static.moe
         if backend == "graphs":
             try:
@@ -145,8 +147,9 @@ class FastDecoder(SpeculativeDecoder):
         stats = {"mode": self.mode, "k_max": self.k_max, "tokens": len(output), "verify_rounds": rounds,
                  "single_steps": singles, "forwards": 1 + rounds + singles, "draft_tokens": drafted,
                  "accepted_tokens": accepted, "tau": round(accepted / rounds, 4) if rounds else 0.0,
-                 "relaxed_tokens": 0, "drafters": by_drafter, "cache_bytes": runner.nbytes(), "ring_slots": runner.ring_size,
-                 "backend": self.backend, "moe": self.moe, "graphs": len(runner.graphs or ()),
+                 "relaxed_tokens": 0, "drafters": by_drafter, "cache_bytes": runner.nbytes(),
+                 "ring_slots": runner.ring_size,
+                 "backend": self.backend, "moe": self.moe, "attn": runner.attn, "graphs": len(runner.graphs or ()),
                  "graphs_captured_now": captured, "capture_s": round(capture_s, 4),
                  **{key: round(value, 4) for key, value in times.items()}}
         text = decode_text(loaded, output) if loaded.tokenizer is not None else ""

@@ -45,6 +45,7 @@ from transformers.models.unlimited_ocr.modeling_unlimited_ocr import apply_rotar
 from engine.runner import RswaRunner
 from engine.static_moe import experts_forward, resolve
 
+ATTN_IMPLS = ("sdpa", "matmul")  # decode-step attention: torch SDPA with a mask, or matmul + fp32 softmax
 EMPTY = -(2**62)  # tag of a ring slot never written in this chunk: outside every window
 ALIGN = 16
 # prefix lengths a graph is kept for (steps of 128, 512, 1024): attention reads few slots it does not need
@@ -69,7 +70,8 @@ class StaticRswaRunner:
     """max_step_tokens: widest step (k_max drafts + the last committed token). moe: see `engine.static_moe`.
     prefix_capacity: allocate for at least this many prefix tokens at the first prefill (fewer regrowths)."""
 
-    def __init__(self, model, max_step_tokens: int, moe: str = "auto", prefix_capacity: int = 0):
+    def __init__(self, model, max_step_tokens: int, moe: str = "auto", prefix_capacity: int = 0,
+                 attn: str = "sdpa"):
         self.model = model
         self.embedder = RswaRunner(model)  # validates the layer types; builds prompt embeddings (vision)
         self.text = model.model.language_model
@@ -82,6 +84,9 @@ class StaticRswaRunner:
         weight = self.text.embed_tokens.weight
         self.moe = resolve(moe, weight.device, weight.dtype)
         self._experts = experts_forward(self.moe)
+        if attn not in ATTN_IMPLS:
+            raise ValueError(f"attn must be one of {ATTN_IMPLS}, not {attn!r}")
+        self.attn = attn
         self.widths = width_buckets(max_step_tokens)
         self.max_width = self.widths[-1]
         self.ring_size = math.ceil((self.window + self.max_width - 1) / ALIGN) * ALIGN
@@ -203,6 +208,13 @@ class StaticRswaRunner:
         if self.groups > 1:
             keys = keys.repeat_interleave(self.groups, dim=1)
             values = values.repeat_interleave(self.groups, dim=1)
+        if mask is not None and self.attn == "matmul":
+            # as transformers' eager attention: scores in the model dtype, softmax in fp32. For 1-17 queries
+            # over thousands of keys this is two batched GEMVs that spread over the whole key range, where a
+            # fused kernel may run one block per (head, query tile)
+            scores = torch.matmul(q, keys.transpose(2, 3)) * scaling
+            scores = scores.masked_fill(~mask, float("-inf"))
+            return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), values)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
                                               scale=scaling)
 

@@ -13,7 +13,8 @@ Random weights measure cost, never acceptance (docs/benchmarks.md); acceptance i
 
 Runs per chunk (pages), each timed from the host with the device synchronized, vision + prefill included:
 - ``official``: ``model.generate()`` greedy with the official no-repeat-ngram config (dynamic cache);
-- ``plain``: `engine.fast_decoder.FastDecoder`, no drafts (one token per step), per ``--moe`` implementation;
+- ``plain``: `engine.fast_decoder.FastDecoder`, no drafts (one token per step); the first ``--moe`` and
+  ``--attn`` entries are the main configuration, each other entry adds ``plain[x]`` and ``lossless-10%[x]``;
 - ``lossless-R%``: a replay drafter whose drafts are the official output with R% of the tokens replaced by
   wrong ones (positional: it proposes the next tokens of that sequence), R in ``--rates``;
 - ``eager-plain`` (``--with-eager``): the eager engine of issue 5, for reference.
@@ -70,7 +71,8 @@ class SyntheticProcessor:
         if n not in self._pixels:
             gen = torch.Generator().manual_seed(self.seed + n)
             self._pixels[n] = torch.randn(n, 3, self.image_size, self.image_size, generator=gen)
-        return BatchFeature({"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
+        return BatchFeature({"input_ids": torch.tensor([ids]),
+                             "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
                              "pixel_values": self._pixels[n], "num_local_patches": [0] * n,
                              "patches_grid": [[1, 1]] * n})
 
@@ -186,6 +188,10 @@ class Clock:
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            self.before = torch.cuda.memory_allocated()
+
+    def before_gb(self) -> float | None:
+        return round(self.before / 2**30, 3) if self.cuda else None
 
     def peak_gb(self) -> float | None:
         return round(torch.cuda.max_memory_allocated() / 2**30, 3) if self.cuda else None
@@ -225,8 +231,16 @@ def run_engine(decoder, images, tokens: int, clock: Clock) -> tuple[list[int], d
         "accepted_tokens": s["accepted_tokens"], "draft_tokens": s["draft_tokens"],
         "decode_tokens_per_s": round((len(res.output_ids) - 1) / decode_s, 2),
         "ms_per_step": round(1000 * decode_s / steps, 3), "time_split": split,
-        "backend": s.get("backend", "eager"), "moe": s.get("moe"), "graphs": s.get("graphs"),
-        "cache_mb": round(s["cache_bytes"] / 2**20, 1), "peak_gb": clock.peak_gb()}
+        "backend": s.get("backend", "eager"), "moe": s.get("moe"), "attn": s.get("attn"), "graphs": s.get("graphs"),
+        "cache_mb": round(s["cache_bytes"] / 2**20, 1), "peak_gb": clock.peak_gb(),
+        "allocated_before_gb": clock.before_gb()}
+
+
+def variants(args) -> list[tuple[str, str, str]]:
+    """(row-name suffix, moe, attn): the main configuration first, then one change at a time."""
+    main_moe, main_attn = args.moe[0], args.attn[0]
+    return ([("", main_moe, main_attn)] + [(f"[{m}]", m, main_attn) for m in args.moe[1:]]
+            + [(f"[{a}]", main_moe, a) for a in args.attn[1:]])
 
 
 def bench_chunk(loaded, n_pages: int, args, clock: Clock, deadline: float, log) -> dict:
@@ -244,40 +258,40 @@ def bench_chunk(loaded, n_pages: int, args, clock: Clock, deadline: float, log) 
     kind = "single" if n_pages == 1 else "multi"
 
     decoders = {}
-    for moe in args.moe:
+    for suffix, moe, attn in variants(args):
         try:
-            dec = FastDecoder(loaded, mode="lossless", k_max=args.k_max, backend=args.backend, moe=moe,
+            dec = FastDecoder(loaded, mode="lossless", k_max=args.k_max, backend=args.backend, moe=moe, attn=attn,
                               drafter_factory=lambda *_: [])
             t0 = time.perf_counter()
             run_engine(dec, images, 32, clock)  # warm-up; captures this prefix bucket's graphs
-            chunk.setdefault("warmup_s", {})[moe] = round(time.perf_counter() - t0, 3)
-            decoders[moe] = dec
+            chunk.setdefault("warmup_s", {})[suffix or "main"] = round(time.perf_counter() - t0, 3)
+            decoders[suffix] = dec
             if dec.fallback_reason:
-                chunk["errors"][f"fallback-{moe}"] = dec.fallback_reason
+                chunk["errors"][f"fallback{suffix}"] = dec.fallback_reason
         except Exception as exc:  # noqa: BLE001 - record and go on with the other configurations
-            chunk["errors"][f"init-{moe}"] = f"{type(exc).__name__}: {exc}"
+            chunk["errors"][f"init{suffix}"] = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
     plan = []
-    for i, moe in enumerate(args.moe):
-        suffix = "" if i == 0 else f"[{moe}]"
-        plan.append((f"plain{suffix}", moe, None))
-        for rate in (args.rates if i == 0 else [r for r in args.rates if r == 10] or args.rates[:1]):
-            plan.append((f"lossless-{rate}%{suffix}", moe, rate))
+    for suffix, _, _ in variants(args):
+        plan.append((f"plain{suffix}", suffix, None))
+        for rate in (args.rates if not suffix else [r for r in args.rates if r == 10] or args.rates[:1]):
+            plan.append((f"lossless-{rate}%{suffix}", suffix, rate))
     if args.with_eager:
         plan.append(("eager-plain", None, None))
-    for name, moe, rate in plan:
+    for name, suffix, rate in plan:
         if time.perf_counter() > deadline:
             chunk["skipped"].append(name)
             continue
         try:
-            if moe is None:
+            if suffix is None:
                 dec = FastDecoder(loaded, mode="plain", k_max=args.k_max, backend="eager")
-            elif moe not in decoders:
+            elif suffix not in decoders:
                 continue
             else:
-                dec = decoders[moe]
+                dec = decoders[suffix]
                 drafts = None if rate is None else corrupt(reference, rate / 100, vocab, seed=rate)
-                dec.drafter_factory = (lambda *_: []) if drafts is None else (lambda *_, d=drafts: [PositionalReplay(d)])
+                dec.drafter_factory = ((lambda *_: []) if drafts is None
+                                       else (lambda *_, d=drafts: [PositionalReplay(d)]))
             ids, row = run_engine(dec, images, args.tokens, clock)
             row.update(exact=ids == reference, match_prefix=first_difference(ids, reference),
                        draft_error_rate=rate, prompt_kind=kind)
@@ -302,14 +316,16 @@ def bench_memory(loaded, args, clock: Clock, deadline: float, log) -> dict:
     from engine.fast_decoder import FastDecoder
 
     out = {}
-    dec = FastDecoder(loaded, mode="plain", k_max=args.k_max, backend=args.backend, moe=args.moe[0])
+    dec = FastDecoder(loaded, mode="plain", k_max=args.k_max, backend=args.backend, moe=args.moe[0],
+                      attn=args.attn[0])
     run_engine(dec, [Page()], 32, clock)
     for tokens in args.mem_tokens:
         if time.perf_counter() > deadline:
             out[str(tokens)] = {"skipped": True}
             continue
         ids, row = run_engine(dec, [Page()], tokens, clock)
-        out[str(tokens)] = {"tokens": row["tokens"], "peak_gb": row["peak_gb"], "seconds": round(row["seconds"], 3),
+        out[str(tokens)] = {"tokens": row["tokens"], "peak_gb": row["peak_gb"],
+                            "allocated_before_gb": row["allocated_before_gb"], "seconds": round(row["seconds"], 3),
                             "ms_per_step": row["ms_per_step"], "cache_mb": row["cache_mb"]}
         log(f"  plain {tokens} tokens: peak {row['peak_gb']} GB, {row['ms_per_step']:.2f} ms/step")
     peaks = [v["peak_gb"] for v in out.values() if v.get("peak_gb")]
@@ -355,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rates", help="comma-separated draft error rates in %% (default 0,10,30,100)")
     ap.add_argument("--moe", default="auto", help="comma-separated: auto,grouped,dense,gather (first = main; auto is "
                     "grouped in bf16)")
+    ap.add_argument("--attn", default="sdpa", help="comma-separated decode attention: sdpa,matmul (first = main)")
     ap.add_argument("--mem-tokens", help="comma-separated output lengths for peak memory (default 1024,8192)")
     ap.add_argument("--k-max", type=int, default=16)
     ap.add_argument("--backend", default=None, help="auto|graphs|static|eager (default: graphs on CUDA, static on CPU)")
@@ -374,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     args.pages = [int(p) for p in (args.pages or ("1" if args.quick else "1,16")).split(",")]
     args.rates = [int(r) for r in (args.rates or ("0,10,100" if args.quick else "0,10,30,100")).split(",")]
     args.moe = args.moe.split(",")
+    args.attn = args.attn.split(",")
     args.mem_tokens = [int(t) for t in (args.mem_tokens or ("256,1024" if args.quick else "1024,8192")).split(",")]
     if args.tiny:
         torch.set_num_threads(1)
@@ -387,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"benchmark": "bench_engine", "argv": sys.argv[1:] if argv is None else argv,
               "environment": environment(device), "model": {"name": loaded.name, **model_desc},
               "dtype": str(dtype).removeprefix("torch."), "device": device, "tokens": args.tokens,
-              "k_max": args.k_max, "backend": args.backend, "moe": args.moe, "rates": args.rates,
+              "k_max": args.k_max, "backend": args.backend, "moe": args.moe, "attn": args.attn, "rates": args.rates,
               "weights_gb": round(torch.cuda.memory_allocated() / 2**30, 3) if clock.cuda else None,
               "chunks": [], "memory": {}}
     try:

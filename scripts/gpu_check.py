@@ -70,10 +70,11 @@ def check(model_path: str, dtype: str, pages, args, deadline: float, log) -> dic
         log(f"  {dtype}: official experts implementation set to {experts_switched!r} (grouped_mm needs bf16)")
     vocab = loaded.model.config.text_config.vocab_size
     decoders = {
-        "plain": FastDecoder(loaded, mode="plain", backend=args.backend, moe=args.moe),
-        "lossless": FastDecoder(loaded, mode="lossless", backend=args.backend, moe=args.moe,
+        "plain": FastDecoder(loaded, mode="plain", backend=args.backend, moe=args.moe, attn=args.attn),
+        "lossless": FastDecoder(loaded, mode="lossless", backend=args.backend, moe=args.moe, attn=args.attn,
                                 drafters=("reference", "ngram")),
-        "replay-10%": FastDecoder(loaded, mode="lossless", backend=args.backend, moe=args.moe, drafters=("replay",)),
+        "replay-10%": FastDecoder(loaded, mode="lossless", backend=args.backend, moe=args.moe, attn=args.attn,
+                                  drafters=("replay",)),
     }
     out = {"dtype": dtype, "pages": [], "backend": {k: d.backend for k, d in decoders.items()},
            "moe": decoders["plain"].moe, "official_experts": experts_switched or "model default",
@@ -134,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed0", type=int, default=900_000, help="first held-out seed (< 1,000,000)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--backend", default=None, help="graphs (CUDA default) | static (CPU default) | auto | eager")
-    ap.add_argument("--moe", default="auto", help="auto (grouped in bf16, gather in fp32 on CUDA) | grouped | gather | dense")
+    ap.add_argument("--moe", default="auto",
+                    help="auto (grouped in bf16, gather in fp32 on CUDA) | grouped | gather | dense")
+    ap.add_argument("--attn", default="sdpa", help="decode attention of the static step: sdpa | matmul")
     ap.add_argument("--budget-s", type=float, default=540.0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -150,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import transformers
 
-    report = {"check": "gpu_check", "device": args.device, "backend": args.backend, "moe": args.moe,
+    report = {"check": "gpu_check", "device": args.device, "backend": args.backend, "moe": args.moe, "attn": args.attn,
               "max_new_tokens": args.max_new_tokens, "seed0": args.seed0, "torch": torch.__version__,
               "cuda": torch.version.cuda, "transformers": transformers.__version__,
               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None, "runs": {}}

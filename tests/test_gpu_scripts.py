@@ -18,7 +18,7 @@ def test_bench_engine_tiny_smoke(tmp_path, capsys):
     threads = torch.get_num_threads()
     try:
         rc = bench_engine.main(["--tiny", "--quick", "--tokens", "40", "--rates", "0,100", "--moe", "grouped,gather",
-                                "--mem-tokens", "20,40", "--json", str(path)])
+                                "--attn", "sdpa,matmul", "--mem-tokens", "20,40", "--json", str(path)])
     finally:
         torch.set_num_threads(threads)
     report = _last_json(capsys)
@@ -26,7 +26,8 @@ def test_bench_engine_tiny_smoke(tmp_path, capsys):
     assert {"torch", "transformers", "gpu"} <= set(report["environment"])
     (chunk,) = report["chunks"]
     runs = chunk["runs"]
-    assert set(runs) == {"official", "plain", "lossless-0%", "lossless-100%", "plain[gather]", "lossless-0%[gather]"}
+    assert set(runs) == {"official", "plain", "lossless-0%", "lossless-100%", "plain[gather]", "lossless-0%[gather]",
+                         "plain[matmul]", "lossless-0%[matmul]"}
     assert not chunk["errors"] and runs["official"]["full_length"]
     assert all(r["exact"] and r["tokens"] == 40 for r in runs.values())
     assert runs["lossless-0%"]["tau"] > 5 and runs["lossless-100%"]["tau"] == 0

@@ -126,6 +126,15 @@ def test_other_moe_implementations(models, official, moe, n_pages):
     assert _ids(loaded, pages, LENGTHS[8], moe=moe, replay_ids=_corrupt(expected, vocab, "random_half")) == expected
 
 
+@pytest.mark.parametrize("n_pages", [1, 3])
+def test_matmul_attention(models, official, n_pages):
+    loaded, pages, expected = models[128], _pages(n_pages), official(128, n_pages)
+    vocab = loaded.model.config.text_config.vocab_size
+    assert _ids(loaded, pages, LENGTHS[128], mode="plain", attn="matmul") == expected
+    replay = _corrupt(expected, vocab, "random_half")
+    assert _ids(loaded, pages, LENGTHS[128], attn="matmul", replay_ids=replay) == expected
+
+
 @pytest.mark.parametrize("k_max", [1, 3, 32])
 def test_widths_and_padding_around_the_window(models, official, k_max):
     """k_max 3 -> widths 1, 2, 4 (a 3-token step runs padded to 4); 32 -> a ring of 4 + 33 - 1 -> 48 slots."""
@@ -235,16 +244,16 @@ def test_cuda_graphs_equal_official_fp32(folders, window, n_pages):
     pages = _pages(n_pages)
     expected = official_generate(loaded, pages, _kind(n_pages), LENGTHS[window]).output_ids
     vocab = loaded.model.config.text_config.vocab_size
-    for moe in ["auto", "dense", "gather"]:
-        plain = FastDecoder(loaded, mode="plain", backend="graphs", moe=moe)
+    for moe, attn in [("auto", "sdpa"), ("dense", "sdpa"), ("gather", "sdpa"), ("auto", "matmul")]:
+        plain = FastDecoder(loaded, mode="plain", backend="graphs", moe=moe, attn=attn)
         res = plain.generate(pages, LENGTHS[window])
         assert plain.backend == "graphs", plain.fallback_reason
-        assert res.output_ids == expected, moe
+        assert res.output_ids == expected, (moe, attn)
         assert res.extra["speculative"]["graphs"] >= 1
         for how in ["right", "random_half", "wrong"]:
-            ids = _ids(loaded, pages, LENGTHS[window], backend="graphs", moe=moe,
+            ids = _ids(loaded, pages, LENGTHS[window], backend="graphs", moe=moe, attn=attn,
                        replay_ids=_corrupt(expected, vocab, how))
-            assert ids == expected, (moe, how)
+            assert ids == expected, (moe, attn, how)
 
 
 def test_logprobs_match_the_eager_engine(models):
@@ -265,10 +274,10 @@ def test_cuda_graph_replays_equal_the_same_step_run_eagerly_bf16(folders, n_page
     loaded = load_model(folders[128], "cuda", "bfloat16")
     pages = _pages(n_pages)
     vocab = loaded.model.config.text_config.vocab_size
-    for moe in ["grouped", "dense", "gather"]:
-        eager = FastDecoder(loaded, mode="plain", backend="static", moe=moe).generate(pages, 300).output_ids
-        graphs = FastDecoder(loaded, mode="plain", backend="graphs", moe=moe)
-        assert graphs.generate(pages, 300).output_ids == eager and graphs.backend == "graphs", moe
-        replay = _corrupt(eager, vocab, "random_half")
-        assert _ids(loaded, pages, 300, backend="graphs", moe=moe, replay_ids=replay) == \
-            _ids(loaded, pages, 300, backend="static", moe=moe, replay_ids=replay), moe
+    for moe, attn in [("grouped", "sdpa"), ("dense", "sdpa"), ("gather", "sdpa"), ("grouped", "matmul")]:
+        eager = FastDecoder(loaded, mode="plain", backend="static", moe=moe, attn=attn).generate(pages, 300)
+        graphs = FastDecoder(loaded, mode="plain", backend="graphs", moe=moe, attn=attn)
+        assert graphs.generate(pages, 300).output_ids == eager.output_ids and graphs.backend == "graphs", moe
+        replay = _corrupt(eager.output_ids, vocab, "random_half")
+        assert _ids(loaded, pages, 300, backend="graphs", moe=moe, attn=attn, replay_ids=replay) == \
+            _ids(loaded, pages, 300, backend="static", moe=moe, attn=attn, replay_ids=replay), (moe, attn)
