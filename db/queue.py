@@ -58,13 +58,17 @@ def _fail_exhausted(conn: Connection, now: float, max_attempts: int) -> None:
         refresh_document(conn, doc_id)
 
 
-def claim(db: Database, owner: str, lease_seconds: float, max_attempts: int, now: float | None = None) -> Claim | None:
-    """Atomically take the next runnable chunk for ``owner``, or return None when there is none."""
+def claim(db: Database, owner: str, lease_seconds: float, max_attempts: int, now: float | None = None,
+          chunk_ids: list[int] | None = None) -> Claim | None:
+    """Atomically take the next runnable chunk for ``owner`` (only among ``chunk_ids`` when given, e.g. the
+    chunks of a re-run), or return None when there is none."""
     now = time.time() if now is None else now
     runnable = or_(
         and_(T.c.status == ChunkStatus.QUEUED, T.c.next_attempt_at <= now),
         and_(T.c.status == ChunkStatus.RUNNING, T.c.lease_expires_at < now),
     )
+    if chunk_ids is not None:
+        runnable = and_(runnable, T.c.id.in_(chunk_ids))
     pick = select(T.c.id).where(runnable).order_by(T.c.document_id, T.c.first_page, T.c.id).limit(1)
     if db.dialect == "postgresql":
         pick = pick.with_for_update(skip_locked=True)

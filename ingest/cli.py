@@ -19,6 +19,8 @@ from ingest.config import Settings, load_settings
 from ingest.errors import ConfigError, UflashError
 from ingest.logs import setup_logging
 
+MODES = ["official", "plain", "lossless", "fast"]
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="uflash", description="Watch-folder batch OCR with Unlimited-OCR.")
@@ -32,10 +34,28 @@ def _parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="process these files (or the inbox) now, and exit when they are done")
     r.add_argument("paths", nargs="*", metavar="PATH", help="files or folders (default: everything in the inbox)")
-    r.add_argument("--mode", choices=["official", "plain", "lossless"],
+    r.add_argument("--mode", choices=MODES,
                    help="official: transformers generate(); plain: our engine, one token a step; lossless: "
-                        "speculative, token-identical to official (default: engine.mode in the config)")
+                        "speculative, token-identical to official; fast: speculative with relaxed acceptance "
+                        "(engine.fast_threshold), not token-exact (default: engine.mode in the config)")
     r.add_argument("--out", metavar="DIR", help="write outputs here instead of folders.outbox")
+
+    rp = sub.add_parser("report", help="per-page grades, reasons, tau and tokens/s of a run; writes the HTML report")
+    rp.add_argument("--run", type=int, metavar="ID", help="the run (default: the latest run with pages)")
+    rp.add_argument("--grade", choices=["good", "fair", "poor"], help="only pages of this grade")
+    rp.add_argument("--json", action="store_true", help="print one JSON object")
+    rp.add_argument("--no-html", action="store_true", help="do not write <outbox>/reports/run-<ID>.html")
+
+    rr = sub.add_parser("rerun", help="decode pages again into a new run (history kept) and rewrite the outputs")
+    rr.add_argument("--mode", choices=MODES, default="lossless", help="decode mode of the re-run (default lossless)")
+    rr.add_argument("--grade", choices=["good", "fair", "poor"], help="pages whose latest grade is this")
+    rr.add_argument("--doc", type=int, metavar="ID", help="pages of this document")
+    rr.add_argument("--pages", metavar="A-B", help="pages in this range (e.g. 3-7)")
+
+    d = sub.add_parser("diff", help="per-page normalized edit distance between the texts of two runs")
+    d.add_argument("run_a", type=int, metavar="RUN_A")
+    d.add_argument("run_b", type=int, metavar="RUN_B")
+    d.add_argument("--json", action="store_true", help="print one JSON object")
 
     s = sub.add_parser("status", help="documents and chunks by state, failures and their reasons")
     s.add_argument("--json", action="store_true", help="print one JSON object")
@@ -67,8 +87,9 @@ def _make_worker(settings: Settings, db, **kw):  # noqa: ANN001, ANN202
     from engine.chunk_decode import load_decoder
     from ingest.worker import Worker
 
-    m = settings.model
-    return Worker(settings, db, lambda: load_decoder(settings.model_path, m.device, m.dtype, settings.engine.mode), **kw)
+    m, e = settings.model, settings.engine
+    return Worker(settings, db, lambda: load_decoder(settings.model_path, m.device, m.dtype, e.mode, e.fast_threshold),
+                  **kw)
 
 
 def cmd_watch(settings: Settings, args: argparse.Namespace) -> int:
@@ -110,7 +131,70 @@ def cmd_run(settings: Settings, args: argparse.Namespace) -> int:
         settings.engine.mode = args.mode
     settings.check_folders()
     settings.ensure_folders()
-    return run_batch(settings, _open_db(settings), [Path(p) for p in args.paths], _make_worker, _stop_event())
+    db = _open_db(settings)
+    code = run_batch(settings, db, [Path(p) for p in args.paths], _make_worker, _stop_event())
+    _write_report(settings, db)
+    return code
+
+
+def _write_report(settings: Settings, db, run_id: int | None = None) -> None:  # noqa: ANN001
+    from ingest.report import write_html_report
+
+    try:
+        path = write_html_report(db, settings.outbox, run_id)
+    except Exception as e:  # the report is a by-product: never fail a finished run over it
+        logger.warning("could not write the HTML report: {}", e)
+        return
+    if path:
+        print(f"report  {path}")
+
+
+def cmd_report(settings: Settings, args: argparse.Namespace) -> int:
+    from ingest.report import collect_report, format_report, report_json
+
+    db = _open_db(settings)
+    rep = collect_report(db, args.run, args.grade)
+    print(report_json(rep) if args.json else format_report(rep))
+    if not args.no_html and rep["run"] is not None:
+        settings.outbox.mkdir(parents=True, exist_ok=True)
+        if args.json:
+            from ingest.report import write_html_report
+
+            write_html_report(db, settings.outbox, rep["run"]["id"])
+        else:
+            _write_report(settings, db, rep["run"]["id"])
+    return 0
+
+
+def cmd_rerun(settings: Settings, args: argparse.Namespace) -> int:
+    from ingest.rerun import parse_pages, rerun
+
+    settings.engine.mode = args.mode
+    settings.check_folders()
+    settings.ensure_folders()
+    db = _open_db(settings)
+    pages = parse_pages(args.pages) if args.pages else None
+    res = rerun(settings, db, _make_worker, _stop_event(), grade=args.grade, doc_id=args.doc, pages=pages)
+    if res.run_id is None and not res.chunks:
+        print("nothing to re-run: no stored page matches")
+        return 0
+    print(f"re-run  {res.pages} pages in {len(res.chunks)} chunks -> run {res.run_id} ({args.mode}); "
+          f"earlier run(s) {', '.join(map(str, res.earlier_runs))}")
+    for f in res.failed:
+        print(f"failed  {f}")
+    if res.run_id is not None:
+        _write_report(settings, db, res.run_id)
+        for earlier in res.earlier_runs:
+            print(f"compare uflash diff {earlier} {res.run_id}")
+    return 4 if res.failed else 0
+
+
+def cmd_diff(settings: Settings, args: argparse.Namespace) -> int:
+    from ingest.rerun import diff_runs, format_diff
+
+    d = diff_runs(_open_db(settings), args.run_a, args.run_b)
+    print(json.dumps(d) if args.json else format_diff(d))
+    return 0
 
 
 def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
@@ -121,7 +205,8 @@ def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"watch": cmd_watch, "run": cmd_run, "status": cmd_status}
+COMMANDS = {"watch": cmd_watch, "run": cmd_run, "status": cmd_status, "report": cmd_report, "rerun": cmd_rerun,
+            "diff": cmd_diff}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(None, args.verbose, args.quiet)
     try:
         settings = load_settings(args.config)
-        if args.command != "status":
+        if args.command not in ("status", "report", "diff"):
             setup_logging(settings.logs, args.verbose, args.quiet)
         return COMMANDS[args.command](settings, args)
     except UflashError as e:

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from engine.quality import Thresholds
 from ingest.errors import ConfigError
 
 CONFIG_ENV = "UFLASH_CONFIG"
@@ -45,12 +46,23 @@ class ModelSettings(_Section):
 
 
 class EngineSettings(_Section):
-    mode: Literal["official", "plain", "lossless"] = "lossless"
+    mode: Literal["official", "plain", "lossless", "fast"] = "lossless"
+    fast_threshold: float = Field(default=0.3, gt=0.0, le=1.0)  # fast mode: accept a draft token at this probability
     max_pages_per_chunk: int = Field(default=16, ge=1)
     context_limit: int = Field(default=32_768, ge=512)
     context_margin: float = Field(default=0.1, ge=0.0, lt=1.0)
     default_tokens_per_page: int = Field(default=1_200, ge=1)
     max_tokens_per_page: int | None = Field(default=None, ge=1)  # cap on output; None: up to the context
+
+
+class Quality(_Section):
+    """Grading thresholds (engine.quality.Thresholds documents each one); defaults are the dataclass's."""
+
+    __annotations__ = {f: type(v) for f, v in vars(Thresholds()).items()}
+    locals().update(vars(Thresholds()))
+
+    def thresholds(self) -> Thresholds:
+        return Thresholds(**self.model_dump())
 
 
 class Watch(_Section):
@@ -78,6 +90,7 @@ class Settings(BaseSettings):
     database: Database = Database()
     model: ModelSettings = ModelSettings()
     engine: EngineSettings = EngineSettings()
+    quality: Quality = Quality()
     watch: Watch = Watch()
     worker: Worker = Worker()
     config_dir: Path = Field(default=Path("."), exclude=True)

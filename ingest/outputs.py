@@ -40,7 +40,8 @@ def write_document_outputs(folder: Path, document: dict[str, Any], run: dict[str
                            pages: list[dict[str, Any]]) -> tuple[Path, Path]:
     md_lines = [f"# {document['name']}", ""]
     for p in pages:
-        md_lines += [f"<!-- page {p['index']} -->", "", page_markdown(p["text"]), ""]
+        fast = " (fast mode)" if (p.get("stats") or {}).get("mode") == "fast" else ""  # not token-exact: say so
+        md_lines += [f"<!-- page {p['index']}{fast} -->", "", page_markdown(p["text"]), ""]
         if p.get("note"):
             md_lines += [f"> note: {p['note']}", ""]
     md = folder / "document.md"

@@ -3,6 +3,12 @@ document's chunks are all done write its outputs and archive the original.
 
 Results and the chunk's completion commit in one transaction, and only while the lease is still held: a
 worker killed mid-chunk leaves nothing behind, and the chunk is redone by whoever takes the lease next.
+
+Every stored page carries ``stats["quality"]`` (engine.quality.page_quality: finish reason, Distinct-20/35,
+log-probabilities, agreement with the PDF text layer) and ``stats["mode"]``; when the document is finished,
+each page is graded against its neighbours with the ``[quality]`` thresholds (grade and reasons are written
+into the same stats). A re-run (``fresh_run`` + ``only_chunks``) decodes its own chunks into a new run, with
+the earlier output of the same pages as its draft, and rewrites the document outputs.
 """
 
 from __future__ import annotations
@@ -26,10 +32,11 @@ from db.queue import Claim, Heartbeat, claim, complete, fail, refresh_document, 
 from db.session import Database
 from engine.chunk_decode import ChunkDecoder, ChunkOutput
 from engine.model import ModelLoadError, ModelNotFound
+from engine.quality import grade_document, page_quality
 from ingest.config import Settings
 from ingest.errors import UflashError
 from ingest.files import move_file
-from ingest.outputs import output_folder, write_document_outputs
+from ingest.outputs import output_folder, page_markdown, write_document_outputs
 from ingest.render import render_pages
 
 
@@ -55,6 +62,8 @@ class Worker:
     make_decoder: Callable[[], ChunkDecoder]
     owner: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
     on_pages: Callable[[int], None] | None = None  # progress callback: pages finished
+    only_chunks: list[int] | None = None  # claim only these chunks (a re-run)
+    fresh_run: dict[str, Any] | None = None  # start a new run recording these settings instead of reusing one
     _decoder: ChunkDecoder | None = None
     _run_id: int | None = None
 
@@ -72,6 +81,13 @@ class Worker:
         if self._run_id is None:
             d = self.decoder()
             with self.db.session() as s, s.begin():
+                if self.fresh_run is not None:
+                    run = Run(mode=d.mode, model=d.model_name, engine_version=engine.__version__,
+                              host=socket.gethostname(), settings={**d.describe(), **self.fresh_run})
+                    s.add(run)
+                    s.flush()
+                    self._run_id = run.id
+                    return run.id
                 run = s.scalar(select(Run).where(Run.mode == d.mode, Run.model == d.model_name,
                                                  Run.engine_version == engine.__version__, Run.finished_at.is_(None))
                                .order_by(Run.id.desc()))
@@ -91,7 +107,7 @@ class Worker:
         while not stop.is_set():
             if until is not None and until():
                 return
-            c = claim(self.db, self.owner, w.lease_seconds, w.max_attempts)
+            c = claim(self.db, self.owner, w.lease_seconds, w.max_attempts, chunk_ids=self.only_chunks)
             if c is None:
                 self.finalize_ready()
                 stop.wait(w.poll_seconds)
@@ -110,6 +126,8 @@ class Worker:
             doc = s.get(Document, c.document_id)
         label = f"{doc.original_name} pages {c.first_page}-{c.last_page}"
         path = Path(doc.original_path)
+        if doc.archived_path and Path(doc.archived_path).exists():
+            path = Path(doc.archived_path)  # a re-run of a finished document reads the archived original
         if not path.exists():
             fail(self.db, c, f"original file is gone: {path}", w.max_attempts, w.backoff_seconds, permanent=True)
             logger.error("{}: original file is gone ({})", label, path)
@@ -128,7 +146,7 @@ class Worker:
                 cap = self.settings.engine.max_tokens_per_page
                 out = decoder.decode([p.image for p in pages], context_limit=self.settings.engine.context_limit,
                                      max_new_tokens=cap * len(pages) if cap else None,
-                                     reference_texts=[p.text_layer or "" for p in pages],
+                                     reference_texts=self._reference_texts(c, pages),
                                      replay_ids=self._replay_ids(c))
         except Exception as e:
             self._decode_failed(c, label, e)
@@ -144,6 +162,15 @@ class Worker:
             return s.scalar(select(Chunk.output_ids).where(
                 Chunk.document_id == c.document_id, Chunk.first_page == c.first_page, Chunk.last_page == c.last_page,
                 Chunk.id != c.chunk_id, Chunk.output_ids.is_not(None)).order_by(Chunk.id.desc()).limit(1))
+
+    def _reference_texts(self, c: Claim, pages: list) -> list[str]:
+        """Per page: the latest earlier output of that page (a re-run), else its PDF text layer."""
+        with self.db.session() as s:
+            latest = select(func.max(Page.id)).where(
+                Page.document_id == c.document_id, Page.page_index.between(c.first_page, c.last_page),
+                Page.chunk_id != c.chunk_id).group_by(Page.page_index)
+            earlier = dict(s.execute(select(Page.page_index, Page.text).where(Page.id.in_(latest))).all())
+        return [earlier.get(p.index) or p.text_layer or "" for p in pages]
 
     def _decode_failed(self, c: Claim, label: str, e: Exception) -> None:
         w = self.settings.worker
@@ -172,9 +199,13 @@ class Worker:
         n_in = len(pages)
         kept = out.pages
         rows = []
+        mode = getattr(self.decoder(), "mode", None)
+        thresholds = self.settings.quality.thresholds()
         for i, po in enumerate(kept):
             rendered = pages[i]
-            stats = {**po.stats, "chunk_id": c.chunk_id, "chunk_pages": f"{c.first_page}-{c.last_page}"}
+            stats = {**po.stats, "chunk_id": c.chunk_id, "chunk_pages": f"{c.first_page}-{c.last_page}", "mode": mode,
+                     "quality": page_quality(po.stats["finish_reason"], po.ids, po.logprobs, page_markdown(po.text),
+                                             rendered.text_layer, thresholds)}
             if out.note:
                 stats["note"] = out.note
             rows.append(dict(document_id=c.document_id, run_id=run_id, chunk_id=c.chunk_id,
@@ -238,6 +269,7 @@ class Worker:
             run_ids = sorted({p.run_id for p in pages})
             runs = [s.get(Run, r) for r in run_ids]
         indexes = [p.page_index for p in pages]
+        self._grade(pages)
         if indexes != list(range(1, doc.page_count + 1)):
             missing = sorted(set(range(1, doc.page_count + 1)) - set(indexes))
             with self.db.engine.begin() as conn:
@@ -257,7 +289,9 @@ class Worker:
         archived = None
         src = Path(doc.original_path)
         error = None
-        if src.exists():
+        if doc.archived_path and Path(doc.archived_path).exists():
+            archived = Path(doc.archived_path)  # archived by an earlier pass (this is a re-run)
+        elif src.exists():
             archived = move_file(src, self.settings.archive)
         else:
             error = f"original was no longer at {src} when archiving"
@@ -268,6 +302,14 @@ class Worker:
                 completed_at=datetime.now(timezone.utc)))
         logger.success("{} done: {}", doc.original_name, md)
         return folder
+
+    def _grade(self, pages: list[Page]) -> None:
+        """Grade the document's latest pages against each other; store grade and reasons in their stats."""
+        graded = grade_document([p.stats.get("quality") or {} for p in pages], self.settings.quality.thresholds())
+        with self.db.engine.begin() as conn:
+            for p, q in zip(pages, graded):
+                p.stats = {**p.stats, "quality": q}
+                conn.execute(update(Page.__table__).where(Page.id == p.id).values(stats=p.stats))
 
 
 def _run_dict(r: Run) -> dict[str, Any]:

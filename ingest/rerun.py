@@ -1,0 +1,162 @@
+"""``uflash rerun`` and ``uflash diff``.
+
+A re-run picks pages (the latest version of each page: by grade, document, page range), queues new chunks
+for them and decodes those chunks, and only those, into a **new run** (the earlier pages stay in the ledger:
+history is kept). Each new chunk keeps the page range of the chunk that produced the pages when all of
+them are picked, so the re-run decodes exactly the prompt of the first pass (same text as a first run in
+that mode) and gets the earlier output ids as its replay draft; a subset of a chunk's pages becomes its own
+chunk (a different prompt, hence possibly different text), drafted from the earlier page texts. When the
+chunks are done, the document outputs (document.md/json) are rewritten from the latest pages.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from loguru import logger
+from sqlalchemy import func, select, update
+
+from db.models import Chunk, ChunkStatus, Document, Page, Run
+from db.session import Database
+from engine.quality import normalized_edit_distance
+from ingest.config import Settings
+from ingest.errors import UsageError
+
+
+def parse_pages(spec: str) -> tuple[int, int]:
+    """``3-7`` or ``5`` -> (first, last), 1-based inclusive."""
+    try:
+        a, _, b = spec.partition("-")
+        first, last = int(a), int(b or a)
+    except ValueError:
+        raise UsageError(f"--pages must look like 3-7 or 5, not {spec!r}") from None
+    if first < 1 or last < first:
+        raise UsageError(f"--pages {spec!r}: need 1 <= first <= last")
+    return first, last
+
+
+def latest_pages(db: Database, doc_id: int | None = None) -> list[Page]:
+    """The latest stored version of every page (the one the document outputs show), by document and index."""
+    with db.session() as s:
+        latest = select(func.max(Page.id)).group_by(Page.document_id, Page.page_index)
+        if doc_id is not None:
+            latest = latest.where(Page.document_id == doc_id)
+        return list(s.scalars(select(Page).where(Page.id.in_(latest)).order_by(Page.document_id, Page.page_index)))
+
+
+def select_pages(db: Database, grade: str | None = None, doc_id: int | None = None,
+                 pages: tuple[int, int] | None = None) -> list[Page]:
+    if grade is None and doc_id is None and pages is None:
+        raise UsageError("say which pages to re-run: --grade, --doc and/or --pages")
+    out = []
+    for p in latest_pages(db, doc_id):
+        if grade is not None and (p.stats.get("quality") or {}).get("grade") != grade:
+            continue
+        if pages is not None and not pages[0] <= p.page_index <= pages[1]:
+            continue
+        out.append(p)
+    return out
+
+
+def plan_chunks(db: Database, picked: list[Page]) -> list[tuple[int, int, int, int | None]]:
+    """(document_id, first, last, source chunk id): the picked pages grouped by the chunk that produced them,
+    one contiguous run of picked pages per new chunk."""
+    with db.session() as s:
+        ranges = {c.id: (c.first_page, c.last_page) for c in s.scalars(
+            select(Chunk).where(Chunk.id.in_({p.chunk_id for p in picked if p.chunk_id is not None})))}
+    groups: dict[tuple[int, int | None], list[int]] = {}
+    for p in picked:
+        groups.setdefault((p.document_id, p.chunk_id), []).append(p.page_index)
+    plan = []
+    for (doc_id, chunk_id), indexes in sorted(groups.items(), key=lambda kv: (kv[0][0], min(kv[1]))):
+        indexes.sort()
+        start = prev = indexes[0]
+        for i in indexes[1:] + [None]:
+            if i is not None and i == prev + 1:
+                prev = i
+                continue
+            plan.append((doc_id, start, prev, chunk_id))
+            if i is not None:
+                start = prev = i
+    return plan
+
+
+@dataclass
+class RerunResult:
+    run_id: int | None
+    earlier_runs: list[int]
+    chunks: list[int]
+    pages: int
+    failed: list[str]
+
+
+def rerun(settings: Settings, db: Database, make_worker: Callable[..., Any], stop: threading.Event,
+          grade: str | None = None, doc_id: int | None = None, pages: tuple[int, int] | None = None) -> RerunResult:
+    picked = select_pages(db, grade, doc_id, pages)
+    if not picked:
+        return RerunResult(None, [], [], 0, [])
+    earlier = sorted({p.run_id for p in picked})
+    plan = plan_chunks(db, picked)
+    with db.engine.begin() as conn:
+        ids = [conn.execute(Chunk.__table__.insert().values(
+            document_id=d, first_page=a, last_page=b, note=f"re-run of pages {a}-{b} (earlier run(s) {earlier})")
+        ).inserted_primary_key[0] for d, a, b, _ in plan]
+    worker = make_worker(settings, db, only_chunks=ids,
+                         fresh_run={"rerun_of": earlier, "rerun_pages": len(picked)})
+
+    def finished() -> bool:
+        with db.session() as s:  # chunks split off ours (context limit, out of memory) belong to the re-run too
+            ids.extend(s.scalars(select(Chunk.id).where(Chunk.parent_id.in_(ids), Chunk.id.not_in(ids))))
+            return s.scalar(select(func.count()).select_from(Chunk).where(
+                Chunk.id.in_(ids), Chunk.status.in_([ChunkStatus.QUEUED, ChunkStatus.RUNNING]))) == 0
+
+    try:
+        worker.serve(stop, until=finished)
+    finally:
+        run_id = worker._run_id
+        if run_id is not None:
+            with db.engine.begin() as conn:  # a re-run's run is never reused by later passes
+                conn.execute(update(Run.__table__).where(Run.id == run_id).values(finished_at=datetime.now(timezone.utc)))
+    with db.session() as s:
+        failed = [f"pages {c.first_page}-{c.last_page} of document {c.document_id}: {c.last_error}"
+                  for c in s.scalars(select(Chunk).where(Chunk.id.in_(ids), Chunk.status == ChunkStatus.FAILED))]
+    logger.info("re-run {}: {} pages in {} chunks", run_id, len(picked), len(ids))
+    return RerunResult(run_id, earlier, ids, len(picked), failed)
+
+
+def diff_runs(db: Database, run_a: int, run_b: int) -> dict[str, Any]:
+    """Per page present in both runs: normalized edit distance of the texts (0 = identical)."""
+    with db.session() as s:
+        for r in (run_a, run_b):
+            if s.get(Run, r) is None:
+                raise UsageError(f"no run {r}")
+        a = {(p.document_id, p.page_index): p for p in s.scalars(select(Page).where(Page.run_id == run_a))}
+        b = {(p.document_id, p.page_index): p for p in s.scalars(select(Page).where(Page.run_id == run_b))}
+        names = dict(s.execute(select(Document.id, Document.original_name)).all())
+    rows = []
+    for key in sorted(a.keys() & b.keys()):
+        ned = normalized_edit_distance(a[key].text, b[key].text)
+        rows.append({"document_id": key[0], "document": names.get(key[0]), "page": key[1],
+                     "edit_distance": round(ned, 6), "identical": a[key].text == b[key].text})
+    dists = [r["edit_distance"] for r in rows]
+    return {"run_a": run_a, "run_b": run_b, "pages": rows, "common_pages": len(rows),
+            "only_in_a": len(a.keys() - b.keys()), "only_in_b": len(b.keys() - a.keys()),
+            "mean_edit_distance": round(sum(dists) / len(dists), 6) if dists else None,
+            "max_edit_distance": max(dists) if dists else None,
+            "identical_pages": sum(r["identical"] for r in rows)}
+
+
+def format_diff(d: dict[str, Any]) -> str:
+    lines = [f"run {d['run_a']} vs run {d['run_b']}: {d['common_pages']} pages in both "
+             f"({d['only_in_a']} only in {d['run_a']}, {d['only_in_b']} only in {d['run_b']})",
+             f"{'document':<32} {'page':>5} {'edit distance':>14}"]
+    for r in d["pages"]:
+        lines.append(f"{(r['document'] or str(r['document_id']))[:32]:<32} {r['page']:>5} {r['edit_distance']:>14.4f}")
+    if d["common_pages"]:
+        lines.append(f"mean {d['mean_edit_distance']:.4f}  max {d['max_edit_distance']:.4f}  "
+                     f"identical {d['identical_pages']}/{d['common_pages']}")
+    return "\n".join(lines)

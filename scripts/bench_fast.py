@@ -1,0 +1,240 @@
+"""What `fast` mode costs and saves, and what a lossless re-run after it costs, through the real pipeline.
+
+On N synthetic pages (scripts.synth.make_document, held-out seeds < 1,000,000, PDFs with a text layer), each
+in its own ledger and folders under a temporary directory, with one model loaded once and shared:
+1. ``lossless``: a first run (intake, chunks, worker, outputs), timed;
+2. ``fast``: the same pages in a fresh ledger, timed; then the normalized edit distance of every page's text
+   to the lossless text (mean, max, pages over 0.05);
+3. ``rerun``: in the fast ledger, ``uflash rerun --mode lossless`` of every page (the fast output is the
+   replay/reference draft), timed; its texts must equal the first lossless run's exactly.
+Times are the worker's wall time (model loading excluded, rendering and DB included) and the decoders' own
+seconds (sum over chunks). Acceptance targets (issue 8, on the demo model): fast >= 1.3x faster than lossless,
+mean distance <= 0.01 and max <= 0.05, re-run <= 1/4 of the first lossless run and identical text.
+
+Prints a table, then one JSON object as the last line. Usage:
+    python scripts/bench_fast.py --model models/demo --pages 50 --json bench_fast.json
+    python scripts/bench_fast.py --tiny --pages 4 --max-tokens-per-page 60     # smoke test: numbers mean nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from scripts.synth import HELD_OUT_LIMIT, make_document  # noqa: E402
+
+DEFAULT_SEED = 770_001  # held out: below HELD_OUT_LIMIT, never used for training
+
+
+def environment() -> dict:
+    import torch
+    import transformers
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "cuda": torch.version.cuda, "host": platform.node()}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env.update(gpu=props.name, vram_gb=round(props.total_memory / 2**30, 1))
+    return env
+
+
+def write_documents(inbox: Path, n_pages: int, pages_per_doc: int, seed: int) -> list[Path]:
+    inbox.mkdir(parents=True, exist_ok=True)
+    paths, left, k = [], n_pages, 0
+    while left > 0:
+        n = min(pages_per_doc, left)
+        if not seed + k < HELD_OUT_LIMIT:
+            raise ValueError(f"seed {seed + k} is not held out (must be < {HELD_OUT_LIMIT})")
+        pdf, _ = make_document(seed + k, n, scan=False)
+        path = inbox / f"synth-{seed + k}.pdf"
+        path.write_bytes(pdf)
+        paths.append(path)
+        left -= n
+        k += 1
+    return paths
+
+
+def make_settings(folder: Path, args: argparse.Namespace, mode: str):
+    from ingest.config import load_settings
+
+    folder.mkdir(parents=True, exist_ok=True)
+    engine = {"mode": mode, "fast_threshold": args.fast_threshold, "max_pages_per_chunk": args.max_pages_per_chunk}
+    if args.max_tokens_per_page:
+        engine["max_tokens_per_page"] = args.max_tokens_per_page
+    cfg = folder / "config.toml"
+    lines = ["[folders]", *(f'{k} = "{k}"' for k in ("inbox", "outbox", "archive", "failed", "logs")),
+             "[database]", 'url = "sqlite:///uflash.db"',
+             "[model]", f'path = "{args.model}"', f'device = "{args.device}"', f'dtype = "{args.dtype}"',
+             "[engine]", *(f"{k} = {json.dumps(v)}" for k, v in engine.items()),
+             "[worker]", "poll_seconds = 0.05", "lease_seconds = 3600.0", "heartbeat_seconds = 60.0"]
+    cfg.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    s = load_settings(cfg)
+    s.ensure_folders()
+    return s
+
+
+def decoder_factory(loaded, args: argparse.Namespace):
+    from engine.chunk_decode import OfficialDecoder
+    from engine.speculative import SpeculativeDecoder
+
+    def make(mode: str):
+        if mode == "official":
+            return OfficialDecoder(loaded)
+        return SpeculativeDecoder(loaded, mode=mode, fast_threshold=args.fast_threshold)
+
+    return make
+
+
+def texts_and_seconds(db, run_id: int) -> tuple[dict, float, int]:
+    from sqlalchemy import select
+
+    from db.models import Chunk, Document, Page
+
+    with db.session() as s:
+        names = dict(s.execute(select(Document.id, Document.original_name)).all())
+        texts = {(names[p.document_id], p.page_index): p.text for p in s.scalars(select(Page).where(Page.run_id == run_id))}
+        stats = [c.stats or {} for c in s.scalars(select(Chunk).where(Chunk.run_id == run_id))]
+    return texts, sum(st.get("seconds", 0.0) for st in stats), sum(st.get("output_tokens", 0) for st in stats)
+
+
+def first_pass(folder: Path, args, mode: str, pdfs: list[Path], make_decoder) -> dict:
+    """A first run of ``pdfs`` in ``mode`` in a fresh ledger: (settings, db, run id, texts, seconds)."""
+    import shutil
+
+    from sqlalchemy import func, select
+
+    from db.models import Document
+    from db.session import Database
+    from ingest.intake import intake_file
+    from ingest.worker import Worker
+
+    s = make_settings(folder, args, mode)
+    db = Database(s.database_url)
+    for pdf in pdfs:
+        intake_file(db, s, Path(shutil.copy(pdf, s.inbox / pdf.name)))
+    decoder = make_decoder(mode)
+    worker = Worker(s, db, lambda: decoder)
+
+    def done() -> bool:
+        with db.session() as ss:
+            return ss.scalar(select(func.count()).select_from(Document).where(Document.status.not_in(["done", "failed"]))) == 0
+
+    t0 = time.perf_counter()
+    worker.serve(threading.Event(), until=done)
+    wall = time.perf_counter() - t0
+    run_id = worker.run_id()
+    texts, decode_s, tokens = texts_and_seconds(db, run_id)
+    return {"settings": s, "db": db, "run_id": run_id, "texts": texts, "wall_s": wall, "decode_s": decode_s,
+            "tokens": tokens}
+
+
+def rerun_pass(first: dict, make_decoder) -> dict:
+    from ingest.rerun import rerun
+    from ingest.worker import Worker
+
+    s, db = first["settings"], first["db"]
+    decoder = make_decoder("lossless")
+    t0 = time.perf_counter()  # every page: `uflash rerun --mode lossless --pages 1-<all>`
+    res = rerun(s, db, lambda st, d, **kw: Worker(st, d, lambda: decoder, **kw), threading.Event(),
+                pages=(1, 1_000_000))
+    wall = time.perf_counter() - t0
+    if res.failed:
+        raise RuntimeError(f"re-run failed: {res.failed}")
+    texts, decode_s, tokens = texts_and_seconds(db, res.run_id)
+    return {"run_id": res.run_id, "texts": texts, "wall_s": wall, "decode_s": decode_s, "tokens": tokens}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="model folder (the demo model or real weights)")
+    p.add_argument("--tiny", action="store_true", help="build a tiny random model (smoke test only)")
+    p.add_argument("--pages", type=int, default=50)
+    p.add_argument("--pages-per-doc", type=int, default=10)
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    p.add_argument("--fast-threshold", type=float, default=0.3)
+    p.add_argument("--max-pages-per-chunk", type=int, default=16)
+    p.add_argument("--max-tokens-per-page", type=int, default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--workdir", help="keep the ledgers and outputs here (default: a temporary folder)")
+    p.add_argument("--json", metavar="PATH", help="also write the JSON record here")
+    args = p.parse_args(argv)
+    if not args.model and not args.tiny:
+        p.error("--model PATH or --tiny")
+
+    import torch
+    from loguru import logger
+
+    from engine.model import load_model
+    from engine.quality import normalized_edit_distance
+
+    logger.remove()
+    logger.add(sys.stderr, level="WARNING")
+    tmp = tempfile.TemporaryDirectory(prefix="bench_fast-") if not args.workdir else None
+    work = Path(args.workdir or tmp.name).resolve()
+    if args.tiny:
+        from engine.tiny import build_tiny_model
+
+        args.model = str(build_tiny_model(work / "tiny-model", sliding_window=8))
+    args.model = str(Path(args.model).resolve())
+    loaded = load_model(args.model, args.device, args.dtype)
+    if args.tiny:
+        torch.set_num_threads(1)
+    make_decoder = decoder_factory(loaded, args)
+    pdfs = write_documents(work / "synthetic", args.pages, args.pages_per_doc, args.seed)
+
+    lossless = first_pass(work / "lossless", args, "lossless", pdfs, make_decoder)
+    fast = first_pass(work / "fast", args, "fast", pdfs, make_decoder)
+    again = rerun_pass(fast, make_decoder)
+
+    keys = sorted(lossless["texts"])
+    neds = [normalized_edit_distance(fast["texts"][k], lossless["texts"][k]) for k in keys]
+    same = [again["texts"].get(k) == lossless["texts"][k] for k in keys]
+    record = {
+        "bench": "fast", "model": args.model, "mode_settings": {"fast_threshold": args.fast_threshold,
+                                                                 "max_pages_per_chunk": args.max_pages_per_chunk,
+                                                                 "max_tokens_per_page": args.max_tokens_per_page},
+        "env": environment(), "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
+        "pages": len(keys), "seeds": [args.seed, args.seed + len(pdfs) - 1],
+        "lossless": {k: round(lossless[k], 3) if isinstance(lossless[k], float) else lossless[k]
+                     for k in ("wall_s", "decode_s", "tokens")},
+        "fast": {k: round(fast[k], 3) if isinstance(fast[k], float) else fast[k] for k in ("wall_s", "decode_s", "tokens")},
+        "rerun": {k: round(again[k], 3) if isinstance(again[k], float) else again[k] for k in ("wall_s", "decode_s", "tokens")},
+        "speedup_fast_vs_lossless": round(lossless["wall_s"] / fast["wall_s"], 3) if fast["wall_s"] else None,
+        "rerun_share_of_lossless": round(again["wall_s"] / lossless["wall_s"], 3) if lossless["wall_s"] else None,
+        "fast_edit_distance_mean": round(sum(neds) / len(neds), 6) if neds else None,
+        "fast_edit_distance_max": round(max(neds), 6) if neds else None,
+        "fast_pages_over_0.05": sum(d > 0.05 for d in neds),
+        "rerun_equals_lossless": all(same), "rerun_pages_equal": sum(same),
+    }
+    rows = [("lossless (first run)", lossless), ("fast (first run)", fast), ("lossless re-run after fast", again)]
+    print(f"{'pass':<28} {'wall s':>9} {'decode s':>9} {'tokens':>8}")
+    for name, r in rows:
+        print(f"{name:<28} {r['wall_s']:>9.2f} {r['decode_s']:>9.2f} {r['tokens']:>8}")
+    print(f"fast vs lossless: {record['speedup_fast_vs_lossless']}x, edit distance mean "
+          f"{record['fast_edit_distance_mean']} max {record['fast_edit_distance_max']}; re-run "
+          f"{record['rerun_share_of_lossless']} of lossless, text equal: {record['rerun_equals_lossless']} "
+          f"({record['rerun_pages_equal']}/{len(keys)} pages)")
+    line = json.dumps(record)
+    if args.json:
+        Path(args.json).write_text(line + "\n", encoding="utf-8")
+    print(line)
+    for db in (lossless["db"], fast["db"]):
+        db.dispose()
+    if tmp is not None:
+        tmp.cleanup()
+    return record
+
+
+if __name__ == "__main__":
+    main()
