@@ -7,7 +7,8 @@ loop runs on `engine.static_runner.StaticRswaRunner`:
 - backend ``static``: the same static buffers and step, run eagerly (any device; the CPU tests use it);
 - backend ``eager``: the eager engine (`SpeculativeDecoder.generate`);
 - ``auto`` (default): ``graphs`` on CUDA, else ``eager``.
-If graph capture fails, the decoder logs why and decodes with the eager engine from then on.
+If graph capture (or anything else in the static path) fails, the decoder logs why, with the traceback, and
+decodes with the eager engine from then on (the chunk is decoded again from its start: nothing is lost).
 
 A round is the eager engine's (`engine.verify`) with the argmax taken on the device: the host gets the
 k + 1 greedy choices in one copy and asks for a full logits row only when the no-repeat-ngram rule bans
@@ -81,8 +82,9 @@ class FastDecoder(SpeculativeDecoder):
                 "fallback_reason": self.fallback_reason}
 
     def _fall_back(self, exc: Exception) -> None:
-        self.fallback_reason = str(exc)
-        logger.warning("CUDA graph fast path disabled, decoding with the eager engine: {}", exc)
+        self.fallback_reason = f"{type(exc).__name__}: {exc}"
+        logger.opt(exception=exc).warning("fast path ({}) disabled, decoding with the eager engine from now on: {}",
+                                          self.backend, self.fallback_reason)
         self.backend, self.static = "eager", None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -100,7 +102,7 @@ class FastDecoder(SpeculativeDecoder):
             return super().generate(images, max_new_tokens, reference_texts, replay_ids)
         try:
             return self._generate_static(images, max_new_tokens, reference_texts, replay_ids)
-        except GraphCaptureError as exc:
+        except Exception as exc:  # noqa: BLE001 - a fast-path failure must not lose the chunk
             self._fall_back(exc)
             return super().generate(images, max_new_tokens, reference_texts, replay_ids)
 

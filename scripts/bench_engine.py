@@ -293,6 +293,8 @@ def bench_chunk(loaded, n_pages: int, args, clock: Clock, deadline: float, log) 
                 dec.drafter_factory = ((lambda *_: []) if drafts is None
                                        else (lambda *_, d=drafts: [PositionalReplay(d)]))
             ids, row = run_engine(dec, images, args.tokens, clock)
+            if dec.fallback_reason and suffix is not None:
+                chunk["errors"].setdefault(f"fallback{suffix}", dec.fallback_reason)
             row.update(exact=ids == reference, match_prefix=first_difference(ids, reference),
                        draft_error_rate=rate, prompt_kind=kind)
             runs[name] = row
@@ -340,7 +342,7 @@ def print_table(report: dict) -> None:
           f"{env.get('gpu') or env.get('cpu')}; torch {env['torch']}, CUDA {env['cuda']}, "
           f"transformers {env['transformers']}; {report['tokens']} tokens, k_max {report['k_max']}")
     header = (f"{'pages':>5} {'run':<22}{'tok/s':>9}{'ms/step':>9}{'steps':>7}{'tau':>6}{'x offic.':>9}"
-              f"{'x plain':>8}{'peak GB':>8}  exact")
+              f"{'x plain':>8}{'peak GB':>8} {'backend':<8} exact")
     print(header)
     print("-" * len(header))
     for chunk in report["chunks"]:
@@ -349,7 +351,7 @@ def print_table(report: dict) -> None:
             exact = "yes" if r["exact"] else f"no ({r['match_prefix']} equal)"
             print(f"{chunk['pages']:>5} {name:<22}{r['tokens_per_s']:>9.1f}{ms:>9.2f}{r['forwards']:>7}"
                   f"{r['tau']:>6.2f}{r['speedup_vs_official']:>8.2f}x{(r['speedup_vs_plain'] or 0):>7.2f}x"
-                  f"{(r['peak_gb'] or 0):>8.2f}  {exact}")
+                  f"{(r['peak_gb'] or 0):>8.2f} {r.get('backend', '-'):<8} {exact}")
         for name, err in chunk["errors"].items():
             print(f"{chunk['pages']:>5} {name:<22}ERROR {err[:200]}")
         if chunk["skipped"]:

@@ -220,6 +220,17 @@ def test_capture_failure_falls_back_to_the_eager_engine(models, official):
     assert "backend" not in out.extra["speculative"]  # the eager engine's stats
 
 
+def test_any_static_path_error_falls_back_and_loses_nothing(models, official):
+    decoder = FastDecoder(models[8], mode="plain", backend="static")
+
+    def broken(token_ids):
+        raise RuntimeError("simulated kernel failure")
+
+    decoder.static.step = broken
+    assert decoder.generate(_pages(1), LENGTHS[8]).output_ids == official(8, 1)
+    assert decoder.backend == "eager" and decoder.fallback_reason == "RuntimeError: simulated kernel failure"
+
+
 # --- CUDA graphs (GPU only) -------------------------------------------------------------------------------
 
 def test_moe_auto_choice():
