@@ -90,7 +90,6 @@ class StaticRswaRunner:
         self.widths = width_buckets(max_step_tokens)
         self.max_width = self.widths[-1]
         self.ring_size = math.ceil((self.window + self.max_width - 1) / ALIGN) * ALIGN
-        weight = self.text.embed_tokens.weight
         self.dtype, self.device = weight.dtype, weight.device
         self.min_capacity = prefix_capacity
         with torch.inference_mode():
@@ -116,14 +115,14 @@ class StaticRswaRunner:
     def _allocate(self, prefix_len: int) -> None:
         capacity = bucket(max(prefix_len, self.min_capacity), PREFIX_BUCKETS)
         shape = (1, self.ring_size + capacity, self.num_kv_heads, self.head_dim)
+        if self.graphs is not None:
+            self.graphs.clear()  # they were captured over the old buffers' addresses
         self.keys = self.values = []  # free the old buffers before taking the new ones
         # zeros, not empty: masked slots still enter the attention product, and garbage could be NaN
         self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.text.layers]
         self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.text.layers]
         self._prefix_index = torch.arange(capacity, device=self.device)
         self.capacity = capacity
-        if self.graphs is not None:
-            self.graphs.clear()  # they were captured over the old buffers' addresses
 
     def nbytes(self) -> int:
         """Bytes of the cache buffers and static inputs; constant for a chunk whatever its output length."""
