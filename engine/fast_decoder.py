@@ -42,12 +42,14 @@ class FastDecoder(SpeculativeDecoder):
     """moe: routed-expert implementation of the static step (`engine.static_moe`); attn: its attention
     (``sdpa`` or ``matmul``, see `engine.static_runner`).
     drafter_factory: (prompt kind, reference_texts, replay_ids) -> drafters, replacing the named ones
-    (benchmarks use it to feed drafts of a controlled quality). prefix_capacity: see StaticRswaRunner."""
+    (benchmarks use it to feed drafts of a controlled quality). prefix_capacity: see StaticRswaRunner.
+    engine_options: passed on to SpeculativeDecoder (e.g. fast_threshold for mode ``fast``, eager engine)."""
 
     def __init__(self, loaded: LoadedModel, mode: str = "lossless", k_max: int = 16,
                  drafters: tuple[str, ...] = DRAFTERS, backend: str = "auto", moe: str = "auto",
-                 drafter_factory: DrafterFactory | None = None, prefix_capacity: int = 0, attn: str = "sdpa"):
-        super().__init__(loaded, mode=mode, k_max=k_max, drafters=drafters)
+                 drafter_factory: DrafterFactory | None = None, prefix_capacity: int = 0, attn: str = "sdpa",
+                 **engine_options):
+        super().__init__(loaded, mode=mode, k_max=k_max, drafters=drafters, **engine_options)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
         if mode not in ("plain", "lossless") and backend != "eager":
