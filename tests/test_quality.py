@@ -182,3 +182,19 @@ def test_fast_mode_is_complete_and_lossless_at_threshold_one(loaded):
     assert stats["mode"] == "fast" and stats["relaxed_tokens"] > 0
     assert len(loose.output_ids) == 80  # never truncated: runs to the same limit
     assert loose.output_ids != lossless.output_ids
+
+
+def test_quality_and_fast_settings_come_from_config_toml(tmp_path):
+    from ingest.config import load_settings
+    from ingest.errors import ConfigError
+    from tests.conftest import write_config
+
+    s = load_settings(write_config(tmp_path, quality={"mean_logprob_fair": -0.2, "loop_min_tokens": 64},
+                                   engine={"mode": "fast", "fast_threshold": 0.5}))
+    t = s.quality.thresholds()
+    assert (t.mean_logprob_fair, t.loop_min_tokens, t.distinct_20_poor) == (-0.2, 64, Thresholds().distinct_20_poor)
+    assert (s.engine.mode, s.engine.fast_threshold) == ("fast", 0.5)
+    for bad in ({"quality": {"no_such_threshold": 1}}, {"quality": {"distinct_20_poor": "high"}},
+                {"engine": {"fast_threshold": 0.0}}):
+        with pytest.raises(ConfigError):
+            load_settings(write_config(tmp_path, **bad))
