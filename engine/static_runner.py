@@ -266,6 +266,7 @@ class StaticRswaRunner:
         Staged at the committed length with pad ids: only rejected positions are written (invariant 4)."""
         if self.graphs is None:
             return 0
+        self.graphs.touch(self.prefix_bucket)
         missing = [w for w in self.widths if not self.graphs.has(w, self.prefix_bucket)]
         for width in missing:
             self._stage([0], width)

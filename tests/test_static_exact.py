@@ -208,6 +208,9 @@ def test_capture_failure_falls_back_to_the_eager_engine(models, official):
         def capture(self, width, prefix_bucket):
             raise GraphCaptureError("capture of the 1-token step failed: simulated")
 
+        def touch(self, prefix_bucket):
+            pass
+
         def clear(self):
             pass
 
@@ -229,6 +232,18 @@ def test_any_static_path_error_falls_back_and_loses_nothing(models, official):
     decoder.static.step = broken
     assert decoder.generate(_pages(1), LENGTHS[8]).output_ids == official(8, 1)
     assert decoder.backend == "eager" and decoder.fallback_reason == "RuntimeError: simulated kernel failure"
+
+
+def test_graphs_kept_for_the_most_recently_used_prefix_buckets():
+    graphs = object.__new__(StepGraphs)  # the bookkeeping only: no CUDA needed
+    graphs.graphs, graphs._recent, graphs.max_prefix_buckets = {}, [], 2
+    for prefix_bucket in [384, 4608, 384, 512]:
+        graphs.touch(prefix_bucket)
+        for width in [1, 2]:
+            graphs.graphs.setdefault((width, prefix_bucket), ("graph", ()))
+    assert sorted(graphs.graphs) == [(1, 384), (1, 512), (2, 384), (2, 512)]  # 4608: least recently used
+    graphs.clear()
+    assert not graphs.graphs and not graphs._recent
 
 
 # --- CUDA graphs (GPU only) -------------------------------------------------------------------------------
