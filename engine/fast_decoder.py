@@ -157,12 +157,10 @@ class FastDecoder(SpeculativeDecoder):
                  "graphs_captured_now": captured, "capture_s": round(capture_s, 4),
                  **{key: round(value, 4) for key, value in times.items()}}
         text = decode_text(loaded, output) if loaded.tokenizer is not None else ""
-        result = DecodeResult(prompt_ids=prompt_ids, output_ids=output,
-                              finish_reason="eos" if output[-1] == eos else "length", seconds=seconds,
-                              text=text, prompt_kind=kind, n_pages=len(images),
-                              ngram_window=self._rules[kind][1], extra={"speculative": stats})
-        result.logprobs = logprobs  # a DecodeResult field from issue 8 on (engine.quality reads it)
-        return result
+        return DecodeResult(prompt_ids=prompt_ids, output_ids=output,
+                            finish_reason="eos" if output[-1] == eos else "length", seconds=seconds,
+                            text=text, prompt_kind=kind, n_pages=len(images), ngram_window=self._rules[kind][1],
+                            extra={"speculative": stats}, logprobs=logprobs)
 
 
 def verify_static(runner: StaticRswaRunner, rule: NoRepeatNgramRule, last_token: int, draft: list[int],

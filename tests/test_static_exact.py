@@ -286,8 +286,6 @@ def test_logprobs_match_the_eager_engine(models):
     from engine.speculative import SpeculativeDecoder
 
     eager = SpeculativeDecoder(models[8], mode="plain").generate(_pages(1), LENGTHS[8])
-    if not getattr(eager, "logprobs", None):
-        pytest.skip("the eager engine records no logprobs in this tree")
     static = FastDecoder(models[8], mode="plain", backend="static").generate(_pages(1), LENGTHS[8])
     assert static.output_ids == eager.output_ids
     torch.testing.assert_close(torch.tensor(static.logprobs), torch.tensor(eager.logprobs), rtol=1e-4, atol=1e-4)
