@@ -59,16 +59,18 @@ def _fail_exhausted(conn: Connection, now: float, max_attempts: int) -> None:
 
 
 def claim(db: Database, owner: str, lease_seconds: float, max_attempts: int, now: float | None = None,
-          chunk_ids: list[int] | None = None) -> Claim | None:
-    """Atomically take the next runnable chunk for ``owner`` (only among ``chunk_ids`` when given, e.g. the
-    chunks of a re-run), or return None when there is none."""
+          run_id: int | None = None) -> Claim | None:
+    """Atomically take the next runnable chunk for ``owner``, or return None when there is none.
+
+    A chunk queued with its ``run_id`` already set is reserved for that run (a re-run): only a claim with
+    that ``run_id`` takes it, and a claim with a ``run_id`` takes nothing else. (Other chunks get their
+    run_id when they complete.)"""
     now = time.time() if now is None else now
     runnable = or_(
         and_(T.c.status == ChunkStatus.QUEUED, T.c.next_attempt_at <= now),
         and_(T.c.status == ChunkStatus.RUNNING, T.c.lease_expires_at < now),
     )
-    if chunk_ids is not None:
-        runnable = and_(runnable, T.c.id.in_(chunk_ids))
+    runnable = and_(runnable, T.c.run_id.is_(None) if run_id is None else T.c.run_id == run_id)
     pick = select(T.c.id).where(runnable).order_by(T.c.document_id, T.c.first_page, T.c.id).limit(1)
     if db.dialect == "postgresql":
         pick = pick.with_for_update(skip_locked=True)

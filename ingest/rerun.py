@@ -1,7 +1,8 @@
 """``uflash rerun`` and ``uflash diff``.
 
 A re-run picks pages (the latest version of each page: by grade, document, page range), queues new chunks
-for them and decodes those chunks, and only those, into a **new run** (the earlier pages stay in the ledger:
+for them, reserved for a **new run** (queued with its run_id: other workers, e.g. a running ``uflash watch``,
+do not take them), and decodes those chunks, and only those, into that run (the earlier pages stay in the ledger:
 history is kept). Each new chunk keeps the page range of the chunk that produced the pages when all of
 them are picked, so the re-run decodes exactly the prompt of the first pass (same text as a first run in
 that mode) and gets the earlier output ids as its replay draft; a subset of a chunk's pages becomes its own
@@ -101,29 +102,27 @@ def rerun(settings: Settings, db: Database, make_worker: Callable[..., Any], sto
         return RerunResult(None, [], [], 0, [])
     earlier = sorted({p.run_id for p in picked})
     plan = plan_chunks(db, picked)
-    with db.engine.begin() as conn:
-        ids = [conn.execute(Chunk.__table__.insert().values(
-            document_id=d, first_page=a, last_page=b, note=f"re-run of pages {a}-{b} (earlier run(s) {earlier})")
-        ).inserted_primary_key[0] for d, a, b, _ in plan]
-    worker = make_worker(settings, db, only_chunks=ids,
-                         fresh_run={"rerun_of": earlier, "rerun_pages": len(picked)})
+    worker = make_worker(settings, db, fresh_run={"rerun_of": earlier, "rerun_pages": len(picked)})
+    run_id = worker.run_id()  # loads the model first: without one, nothing is queued
+    with db.engine.begin() as conn:  # reserved for this run: a running `uflash watch` leaves them alone
+        conn.execute(Chunk.__table__.insert(), [
+            dict(document_id=d, first_page=a, last_page=b, run_id=run_id,
+                 note=f"re-run of pages {a}-{b} (earlier run(s) {earlier})") for d, a, b, _ in plan])
 
-    def finished() -> bool:
-        with db.session() as s:  # chunks split off ours (context limit, out of memory) belong to the re-run too
-            ids.extend(s.scalars(select(Chunk.id).where(Chunk.parent_id.in_(ids), Chunk.id.not_in(ids))))
+    def finished() -> bool:  # chunks split off ours (context limit, out of memory) are reserved for the run too
+        with db.session() as s:
             return s.scalar(select(func.count()).select_from(Chunk).where(
-                Chunk.id.in_(ids), Chunk.status.in_([ChunkStatus.QUEUED, ChunkStatus.RUNNING]))) == 0
+                Chunk.run_id == run_id, Chunk.status.in_([ChunkStatus.QUEUED, ChunkStatus.RUNNING]))) == 0
 
     try:
         worker.serve(stop, until=finished)
     finally:
-        run_id = worker._run_id
-        if run_id is not None:
-            with db.engine.begin() as conn:  # a re-run's run is never reused by later passes
-                conn.execute(update(Run.__table__).where(Run.id == run_id).values(finished_at=datetime.now(timezone.utc)))
+        with db.engine.begin() as conn:  # a re-run's run is never reused by later passes
+            conn.execute(update(Run.__table__).where(Run.id == run_id).values(finished_at=datetime.now(timezone.utc)))
     with db.session() as s:
+        ids = list(s.scalars(select(Chunk.id).where(Chunk.run_id == run_id)))
         failed = [f"pages {c.first_page}-{c.last_page} of document {c.document_id}: {c.last_error}"
-                  for c in s.scalars(select(Chunk).where(Chunk.id.in_(ids), Chunk.status == ChunkStatus.FAILED))]
+                  for c in s.scalars(select(Chunk).where(Chunk.run_id == run_id, Chunk.status == ChunkStatus.FAILED))]
     logger.info("re-run {}: {} pages in {} chunks", run_id, len(picked), len(ids))
     return RerunResult(run_id, earlier, ids, len(picked), failed)
 

@@ -7,8 +7,9 @@ worker killed mid-chunk leaves nothing behind, and the chunk is redone by whoeve
 Every stored page carries ``stats["quality"]`` (engine.quality.page_quality: finish reason, Distinct-20/35,
 log-probabilities, agreement with the PDF text layer) and ``stats["mode"]``; when the document is finished,
 each page is graded against its neighbours with the ``[quality]`` thresholds (grade and reasons are written
-into the same stats). A re-run (``fresh_run`` + ``only_chunks``) decodes its own chunks into a new run, with
-the earlier output of the same pages as its draft, and rewrites the document outputs.
+into the same stats). A re-run worker (``fresh_run``) starts a new run and claims only the chunks reserved for
+it (queued with that run_id; chunks it splits off stay reserved), with the earlier output of the same pages as
+its draft, and rewrites the document outputs.
 """
 
 from __future__ import annotations
@@ -62,8 +63,7 @@ class Worker:
     make_decoder: Callable[[], ChunkDecoder]
     owner: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
     on_pages: Callable[[int], None] | None = None  # progress callback: pages finished
-    only_chunks: list[int] | None = None  # claim only these chunks (a re-run)
-    fresh_run: dict[str, Any] | None = None  # start a new run recording these settings instead of reusing one
+    fresh_run: dict[str, Any] | None = None  # a re-run: a new run recording these settings, its own chunks only
     _decoder: ChunkDecoder | None = None
     _run_id: int | None = None
 
@@ -107,7 +107,8 @@ class Worker:
         while not stop.is_set():
             if until is not None and until():
                 return
-            c = claim(self.db, self.owner, w.lease_seconds, w.max_attempts, chunk_ids=self.only_chunks)
+            c = claim(self.db, self.owner, w.lease_seconds, w.max_attempts,
+                      run_id=self.run_id() if self.fresh_run is not None else None)
             if c is None:
                 self.finalize_ready()
                 stop.wait(w.poll_seconds)
@@ -163,6 +164,10 @@ class Worker:
                 Chunk.document_id == c.document_id, Chunk.first_page == c.first_page, Chunk.last_page == c.last_page,
                 Chunk.id != c.chunk_id, Chunk.output_ids.is_not(None)).order_by(Chunk.id.desc()).limit(1))
 
+    def _reserved(self) -> int | None:
+        """The run id that chunks split off by this worker are reserved for (a re-run's), else None."""
+        return self._run_id if self.fresh_run is not None else None
+
     def _reference_texts(self, c: Claim, pages: list) -> list[str]:
         """Per page: the latest earlier output of that page (a re-run), else its PDF text layer."""
         with self.db.session() as s:
@@ -184,8 +189,10 @@ class Worker:
                 with self.db.engine.begin() as conn:
                     if complete(conn, c, status=ChunkStatus.SPLIT, note=note):
                         conn.execute(Chunk.__table__.insert(), [
-                            dict(document_id=c.document_id, first_page=c.first_page, last_page=mid, parent_id=c.chunk_id),
-                            dict(document_id=c.document_id, first_page=mid + 1, last_page=c.last_page, parent_id=c.chunk_id),
+                            dict(document_id=c.document_id, first_page=c.first_page, last_page=mid, parent_id=c.chunk_id,
+                                 run_id=self._reserved()),
+                            dict(document_id=c.document_id, first_page=mid + 1, last_page=c.last_page,
+                                 parent_id=c.chunk_id, run_id=self._reserved()),
                         ])
                 logger.warning("{}: {}", label, note)
                 return
@@ -233,8 +240,8 @@ class Worker:
                     conn.execute(Page.__table__.insert(), rows)
                 if new_chunks:
                     conn.execute(Chunk.__table__.insert(), [
-                        dict(document_id=c.document_id, first_page=a, last_page=b, parent_id=c.chunk_id)
-                        for a, b in new_chunks])
+                        dict(document_id=c.document_id, first_page=a, last_page=b, parent_id=c.chunk_id,
+                             run_id=self._reserved()) for a, b in new_chunks])
                 ready = refresh_document(conn, c.document_id) == "ready"
         except _LeaseLost:
             logger.warning("{}: lease lost before storing; dropping the result", label)

@@ -309,5 +309,13 @@ def test_rerun_plans_chunks_from_the_pages_picked(db):
     assert plan_chunks(db, select_pages(db, doc_id=doc)) == [(doc, 1, 4, c1), (doc, 5, 7, c2)]
     with pytest.raises(UsageError):
         select_pages(db)
+    from db.queue import claim
+
+    with db.engine.begin() as conn:  # a chunk queued for a re-run's run is reserved for it
+        reserved = conn.execute(Chunk.__table__.insert().values(document_id=doc, first_page=2, last_page=3,
+                                                                run_id=run)).inserted_primary_key[0]
+    assert claim(db, "watcher", 60, 3) is None  # an ordinary worker (e.g. uflash watch) leaves it alone
+    taken = claim(db, "rerun", 60, 3, run_id=run)
+    assert taken is not None and taken.chunk_id == reserved
     with pytest.raises(UsageError):
         parse_pages("7-3")
