@@ -244,32 +244,46 @@ class AuxHeads(torch.nn.Module):
 
 
 class AlignLoss(torch.nn.Module):
-    """Guided attention, training only (nothing is added to the model): in decoder layers `layers`, the first
-    `heads` heads of the query that predicts an output word token should attend, among the image slots, to the
-    vision token that shows that word (`synth.doc.char_slots`, `demo_data.make_batch` targets).
+    """Guided attention, training only (nothing is added to the model). Each spec (layer, heads, look) asks the
+    first `heads` heads of decoder layer `layer` to attend, among the image slots, to the vision token that
+    shows a word token (`synth.doc.char_slots`, targets from `demo_data.make_batch`): look="next" - the token
+    this position predicts; look="here" - the token this position holds (the word just read). "here" in an
+    early layer lets the model find where it is by matching what it just wrote against the page; "next" in
+    later layers then only has to step from there (the vision tokens say their own row and column, see
+    `AuxHeads.position_loss`).
 
-    Why: the first GPU runs with the auxiliary character heads ended with vision tokens that encode the
-    characters (auxiliary loss 2.0 -> 0.23) while the decoder still did not read (word-token accuracy ~14%,
-    markup ~71%); its attention on the right vision token was at the uniform level (1/273) in every layer and
-    head. Learning where to look from the language loss alone is the slow part; this loss teaches it directly
+    Why: the GPU run with the auxiliary character heads ended with vision tokens that encode the characters
+    (auxiliary loss 2.0 -> 0.23) while the decoder still did not read (word-token accuracy ~14%, markup
+    ~71%); its attention on the right vision token sat at the uniform level (1/273) in every layer and head.
+    Learning where to look from the language loss alone is the slow part; this loss teaches it directly
     (guided attention, as used to speed up alignment in sequence-to-sequence speech models).
 
     The logits are recomputed from the layer input captured by a pre-hook (same q/k projections and RoPE as
     the layer), over image keys only, so the loss is a distribution over slots independent of how much the
     head attends to text."""
 
-    def __init__(self, model, layers: list[int], heads: int):
+    def __init__(self, model, specs: list[tuple[int, int, str]]):
         super().__init__()
         text = model.model.language_model
-        self.layers = list(layers)
-        self.heads = heads
-        self.attn = [text.layers[i].self_attn for i in self.layers]
+        self.specs = [(int(layer), int(heads), look) for layer, heads, look in specs]
+        if any(look not in ("next", "here") for _, _, look in self.specs):
+            raise ValueError(f"look must be 'next' or 'here': {self.specs}")
+        self.attn = {layer: text.layers[layer].self_attn for layer, _, _ in self.specs}
         cfg = text.config
         self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
         self.active = False
         self._captured: dict[int, tuple] = {}
-        self._handles = [a.register_forward_pre_hook(self._hook(i), with_kwargs=True)
-                         for i, a in zip(self.layers, self.attn)]
+        self._handles = [a.register_forward_pre_hook(self._hook(i), with_kwargs=True) for i, a in self.attn.items()]
+
+    @staticmethod
+    def parse(text: str) -> list[tuple[int, int, str]]:
+        """"1:2:here,2:2:next,3:2:next" -> [(1, 2, "here"), (2, 2, "next"), (3, 2, "next")]."""
+        out = []
+        for part in text.split(","):
+            if part.strip():
+                layer, heads, look = part.strip().split(":")
+                out.append((int(layer), int(heads), look))
+        return out
 
     def _hook(self, i: int):
         def capture(module, args, kwargs):
@@ -285,32 +299,37 @@ class AlignLoss(torch.nn.Module):
         return x * cos + rot * sin
 
     def loss(self, targets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean cross-entropy over guided heads and target positions, share whose argmax is the target)."""
+        """(mean cross-entropy over the specs, mean share of target positions whose argmax is the target).
+        targets: [B, T], at each query position the sequence position of the image slot showing the token it
+        predicts, -1 elsewhere ("here" uses the same targets one position later)."""
         captured, self._captured = self._captured, {}
         zero = torch.zeros((), device=targets.device if targets is not None else "cpu")
         if targets is None or not (targets >= 0).any() or not captured:
             return zero, zero
-        valid = targets >= 0
         n_keys = int(targets.max()) + 1  # keys: positions 1 .. last image slot used
-        total, hits, count = zero, zero, 0
-        for i, attn in zip(self.layers, self.attn):
-            h, (cos, sin) = captured[i]
+        here = torch.full_like(targets, -1)
+        here[:, 1:] = targets[:, :-1]
+        total, hits = zero, zero
+        for layer, heads, look in self.specs:
+            tg = targets if look == "next" else here
+            valid = tg >= 0
+            h, (cos, sin) = captured[layer]
+            attn = self.attn[layer]
             B, T, _ = h.shape
             hd = attn.head_dim
-            q = attn.q_proj(h).view(B, T, -1, hd)[:, :, : self.heads].float()
-            kv_heads = sorted({j // self.groups for j in range(self.heads)})
+            q = attn.q_proj(h).view(B, T, -1, hd)[:, :, :heads].float()
+            kv_heads = sorted({j // self.groups for j in range(heads)})
             k = attn.k_proj(h[:, 1:n_keys]).view(B, n_keys - 1, -1, hd)[:, :, kv_heads].float()
             c, s_ = cos.float()[:, :, None], sin.float()[:, :, None]
             q = self._rope(q, c, s_)
             k = self._rope(k, c[:, 1:n_keys], s_[:, 1:n_keys])
-            k = k[:, :, [kv_heads.index(j // self.groups) for j in range(self.heads)]]
+            k = k[:, :, [kv_heads.index(j // self.groups) for j in range(heads)]]
             logits = torch.einsum("bthd,bkhd->bhtk", q, k) * attn.scaling  # [B, heads, T, keys]
             sel = logits.permute(0, 2, 1, 3)[valid]  # [M, heads, keys]
-            tgt = (targets[valid] - 1)[:, None].expand(-1, self.heads)
-            total = total + F.cross_entropy(sel.reshape(-1, sel.shape[-1]), tgt.reshape(-1))
-            hits = hits + (sel.argmax(-1) == tgt).float().mean()
-            count += 1
-        return total / count, hits / count
+            want = (tg[valid] - 1)[:, None].expand(-1, heads)
+            total = total + F.cross_entropy(sel.reshape(-1, sel.shape[-1]), want.reshape(-1))
+            hits = hits + (sel.argmax(-1) == want).float().mean()
+        return total / len(self.specs), hits / len(self.specs)
 
     def remove(self) -> None:
         for hd in self._handles:

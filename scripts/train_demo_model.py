@@ -255,7 +255,7 @@ def train(args) -> dict:
         groups.append(dict(params=list(aux_head.parameters()), weight_decay=0.0, base=args.lr))
     align = None
     if args.align_weight > 0:
-        align = dm.AlignLoss(model, [int(v) for v in args.align_layers.split(",") if v.strip()], args.align_heads)
+        align = dm.AlignLoss(model, dm.AlignLoss.parse(args.align))
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if cuda else {}))
     step, unfrozen_at = 0, None
     if state is not None and "step" in state:
@@ -456,8 +456,9 @@ def parse_args(argv=None):
     ap.add_argument("--freeze-frac", type=float, default=0.1, help="share of the time with the vision tower frozen")
     ap.add_argument("--align-weight", type=float, default=1.0,
                     help="guided-attention loss weight (dm.AlignLoss); 0 turns it off")
-    ap.add_argument("--align-layers", default="1,2,3", help="decoder layers whose first heads are guided")
-    ap.add_argument("--align-heads", type=int, default=1, help="guided heads per layer (the first ones)")
+    ap.add_argument("--align", default="1:2:here,2:2:next,3:2:next",
+                    help="guided heads, LAYER:HEADS:LOOK,... (LOOK: next = the token to predict, here = the token "
+                         "just read; the first HEADS heads of the layer)")
     ap.add_argument("--aux-weight", type=float, default=1.0,
                     help="weight of the auxiliary character-grid losses on the SAM patches and vision tokens (0 = off;"
                          " DESIGN's plain recipe is --aux-weight 0 --freeze-frac 0.3 --vision-lr-ratio 0.1)")

@@ -150,7 +150,8 @@ def test_alignment_loss_targets_image_slots_and_trains_the_guided_heads(tiny):
     aimed = targets[targets >= 0]
     assert len(aimed) > 0 and (ids[0, aimed] == model.config.image_token_id).all()  # every target is an image slot
     assert (aimed > tpp).any()  # the second page's tokens aim at the second image
-    align = dm.AlignLoss(model, [1], 1)
+    assert dm.AlignLoss.parse("1:1:next, 0:2:here") == [(1, 1, "next"), (0, 2, "here")]
+    align = dm.AlignLoss(model, [(1, 1, "next")])
     model.train()
     model.zero_grad(set_to_none=True)
     res = loss_fn(model, ids, lengths, pixels, len(prompt), 128, True, torch.float32, align=align,
