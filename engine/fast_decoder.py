@@ -31,7 +31,7 @@ from engine.drafters.policy import DraftPolicy
 from engine.model import LoadedModel
 from engine.ngram_rule import NoRepeatNgramRule, greedy_token
 from engine.official import DecodeResult, decode_text, official_inputs
-from engine.speculative import DRAFTERS, SpeculativeDecoder
+from engine.speculative import DRAFTERS, SpeculativeDecoder, run_rounds
 from engine.static_runner import StaticRswaRunner
 
 BACKENDS = ("auto", "graphs", "static", "eager")
@@ -125,37 +125,18 @@ class FastDecoder(SpeculativeDecoder):
         captured = runner.capture_graphs()  # GraphCaptureError -> eager engine (caller)
         capture_s = time.perf_counter() - t_capture
         policy = DraftPolicy(self._drafters(kind, reference_texts, replay_ids), self.k_max)
-        times = {"prefill_s": time.perf_counter() - t0, "draft_s": 0.0, "verify_s": 0.0, "single_s": 0.0}
-        rounds = singles = 0
-        while output[-1] != eos and len(output) < max_new_tokens:
-            t = time.perf_counter()
-            name, draft = policy.propose(output, max_new_tokens - len(output) - 1)
-            t_draft = time.perf_counter()
-            emitted, step_logprobs = verify_static(runner, rule, output[-1], draft, eos)
-            logprobs += step_logprobs
-            t_done = time.perf_counter()
-            times["draft_s"] += t_draft - t
-            if draft:
-                policy.record(name, len(draft), len(emitted) - 1)
-                times["verify_s"] += t_done - t_draft
-                rounds += 1
-            else:
-                times["single_s"] += t_done - t_draft
-                singles += 1
-            output += emitted
-            rule.extend(emitted)
+
+        def one_round(last: int, draft: list[int]) -> tuple[list[int], list[float], int]:
+            emitted, step_logprobs = verify_static(runner, rule, last, draft, eos)
+            return emitted, step_logprobs, 0
+
+        loop = run_rounds(policy, one_round, output, logprobs, rule, eos, max_new_tokens,
+                          prefill_s=time.perf_counter() - t0)
         seconds = time.perf_counter() - t0
-        by_drafter = {name: s.as_dict() for name, s in policy.stats.items()}
-        drafted = sum(s.proposed for s in policy.stats.values())
-        accepted = sum(s.accepted for s in policy.stats.values())
-        stats = {"mode": self.mode, "k_max": self.k_max, "tokens": len(output), "verify_rounds": rounds,
-                 "single_steps": singles, "forwards": 1 + rounds + singles, "draft_tokens": drafted,
-                 "accepted_tokens": accepted, "tau": round(accepted / rounds, 4) if rounds else 0.0,
-                 "relaxed_tokens": 0, "drafters": by_drafter, "cache_bytes": runner.nbytes(),
-                 "ring_slots": runner.ring_size,
+        stats = {"mode": self.mode, "k_max": self.k_max, "tokens": len(output), **loop,
+                 "cache_bytes": runner.nbytes(), "ring_slots": runner.ring_size,
                  "backend": self.backend, "moe": self.moe, "attn": runner.attn, "graphs": len(runner.graphs or ()),
-                 "graphs_captured_now": captured, "capture_s": round(capture_s, 4),
-                 **{key: round(value, 4) for key, value in times.items()}}
+                 "graphs_captured_now": captured, "capture_s": round(capture_s, 4)}
         text = decode_text(loaded, output) if loaded.tokenizer is not None else ""
         return DecodeResult(prompt_ids=prompt_ids, output_ids=output,
                             finish_reason="eos" if output[-1] == eos else "length", seconds=seconds,

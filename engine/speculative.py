@@ -139,37 +139,16 @@ class SpeculativeDecoder:
         fast = self.fast_threshold if self.mode == "fast" else None
         strict = frozenset(i for i in (eos, loaded.page_sep_id) if i is not None)
         policy = DraftPolicy(self._drafters(kind, reference_texts, replay_ids), self.k_max)
-        times = {"prefill_s": time.perf_counter() - t0, "draft_s": 0.0, "verify_s": 0.0, "single_s": 0.0}
-        rounds = singles = relaxed = 0
-        while output[-1] != eos and len(output) < max_new_tokens:
-            t = time.perf_counter()
-            name, draft = policy.propose(output, max_new_tokens - len(output) - 1)
-            t_draft = time.perf_counter()
-            step = verify_round(self.runner, cache, rule, output[-1], draft, eos, fast, strict)
-            emitted = step.emitted
-            t_done = time.perf_counter()
-            logprobs += step.logprobs
-            relaxed += step.relaxed
-            times["draft_s"] += t_draft - t
-            if draft:
-                policy.record(name, len(draft), len(emitted) - 1)
-                times["verify_s"] += t_done - t_draft
-                rounds += 1
-            else:
-                times["single_s"] += t_done - t_draft
-                singles += 1
-            output += emitted
-            rule.extend(emitted)
+
+        def one_round(last: int, draft: list[int]) -> tuple[list[int], list[float], int]:
+            step = verify_round(self.runner, cache, rule, last, draft, eos, fast, strict)
+            return step.emitted, step.logprobs, step.relaxed
+
+        loop = run_rounds(policy, one_round, output, logprobs, rule, eos, max_new_tokens,
+                          prefill_s=time.perf_counter() - t0)
         seconds = time.perf_counter() - t0
-        by_drafter = {name: s.as_dict() for name, s in policy.stats.items()}
-        drafted = sum(s.proposed for s in policy.stats.values())
-        accepted = sum(s.accepted for s in policy.stats.values())
-        stats = {"mode": self.mode, "k_max": self.k_max, "tokens": len(output), "verify_rounds": rounds,
-                 "single_steps": singles, "forwards": 1 + rounds + singles, "draft_tokens": drafted,
-                 "accepted_tokens": accepted, "tau": round(accepted / rounds, 4) if rounds else 0.0,
-                 "relaxed_tokens": relaxed, "drafters": by_drafter, "cache_bytes": cache.nbytes(),
-                 "ring_slots": cache.ring_size,
-                 **{key: round(value, 4) for key, value in times.items()}}
+        stats = {"mode": self.mode, "k_max": self.k_max, "tokens": len(output), **loop,
+                 "cache_bytes": cache.nbytes(), "ring_slots": cache.ring_size}
         return DecodeResult(prompt_ids=prompt_ids, output_ids=output,
                             finish_reason="eos" if output[-1] == eos else "length", seconds=seconds,
                             text=decode_text(loaded, output), prompt_kind=kind, n_pages=len(images),
@@ -189,6 +168,41 @@ class SpeculativeDecoder:
             elif name == "ngram":
                 drafters.append(NgramDrafter())
         return drafters
+
+
+def run_rounds(policy: DraftPolicy, one_round, output: list[int], logprobs: list[float], rule: NoRepeatNgramRule,
+               eos: int, max_new_tokens: int, prefill_s: float) -> dict[str, Any]:
+    """The decode loop shared by the eager and the static engines. `output` (first token already chosen) and
+    `logprobs` grow in place until EOS or `max_new_tokens`; each round the policy drafts (or not) and
+    ``one_round(last_token, draft) -> (emitted, their logprobs, relaxed accepts)`` verifies. Returns the loop's
+    stats: verify_rounds, single_steps, forwards, draft_tokens, accepted_tokens, tau, relaxed_tokens, drafters
+    and the time split (prefill_s, draft_s, verify_s, single_s)."""
+    times = {"prefill_s": prefill_s, "draft_s": 0.0, "verify_s": 0.0, "single_s": 0.0}
+    rounds = singles = relaxed = 0
+    while output[-1] != eos and len(output) < max_new_tokens:
+        t = time.perf_counter()
+        name, draft = policy.propose(output, max_new_tokens - len(output) - 1)
+        t_draft = time.perf_counter()
+        emitted, step_logprobs, step_relaxed = one_round(output[-1], draft)
+        t_done = time.perf_counter()
+        logprobs += step_logprobs
+        relaxed += step_relaxed
+        times["draft_s"] += t_draft - t
+        if draft:
+            policy.record(name, len(draft), len(emitted) - 1)
+            times["verify_s"] += t_done - t_draft
+            rounds += 1
+        else:
+            times["single_s"] += t_done - t_draft
+            singles += 1
+        output += emitted
+        rule.extend(emitted)
+    accepted = sum(s.accepted for s in policy.stats.values())
+    return {"verify_rounds": rounds, "single_steps": singles, "forwards": 1 + rounds + singles,
+            "draft_tokens": sum(s.proposed for s in policy.stats.values()), "accepted_tokens": accepted,
+            "tau": round(accepted / rounds, 4) if rounds else 0.0, "relaxed_tokens": relaxed,
+            "drafters": {name: s.as_dict() for name, s in policy.stats.items()},
+            **{key: round(value, 4) for key, value in times.items()}}
 
 
 def _scaled(value: float, share: float) -> float:
