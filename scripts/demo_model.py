@@ -55,11 +55,12 @@ def tokens_per_page(image_size: int) -> int:
 
 
 # ---------------------------------------------------------------- tokenizer
-def build_tokenizer(texts: list[str], vocab_size: int):
+def build_tokenizer(texts: list[str], vocab_size: int, max_token_length: int | None = None):
     """Byte-level BPE with the real model's special tokens: bos id 0, eos 1, pad 2, then `<image>`, `<|ref|>`,
     `<|/ref|>`, `<|det|>`, `<|/det|>`, `<|grounding|>`, `<td>`, `</td>`, `<PAGE>` (each a single token).
     Digits are split into groups of at most 3 (as DeepSeek's tokenizer does), so box coordinates 0-999 are
-    one token each."""
+    one token each. max_token_length: no token longer than that many (byte-level) characters, so that a token
+    is a few adjacent glyphs rather than a whole word (None: BPE's default, most words one token)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -69,7 +70,8 @@ def build_tokenizer(texts: list[str], vocab_size: int):
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS, PAD, *CONTROL_TOKENS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+                                  max_token_length=max_token_length)
     numbers = [" ".join(str(i) for i in range(j, j + 50)) for j in range(0, 1000, 50)]
     tok.train_from_iterator(list(texts) + numbers * 20 + list(PROMPTS.values()) * 20, trainer=trainer)
     tok.post_processor = processors.TemplateProcessing(
@@ -155,6 +157,25 @@ def set_experts_implementation(model, name: str, autocast_dtype=torch.bfloat16) 
         print(f"experts implementation {name!r} unavailable ({type(exc).__name__}: {exc}); using eager", flush=True)
         model.set_experts_implementation("eager")
         return "eager"
+
+
+VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "model.image_newline", "model.view_separator")
+
+
+def copy_vision(model, folder) -> int:
+    """Load the vision side (SAM + CLIP towers, projector, newline and separator embeddings) of a saved model
+    folder into `model` (a fresh decoder, e.g. with another tokenizer, keeps a trained vision tower). Returns
+    the number of tensors copied; raises if a shape differs."""
+    from transformers import UnlimitedOcrForConditionalGeneration
+
+    saved = UnlimitedOcrForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)  # maps saved key names
+    state = {k: v for k, v in saved.state_dict().items() if k.startswith(VISION_PREFIXES)}
+    own = model.state_dict()
+    for key, value in state.items():
+        if key not in own or own[key].shape != value.shape:
+            raise ValueError(f"{key}: {tuple(value.shape)} in {folder}, {tuple(own[key].shape) if key in own else None} here")
+    model.load_state_dict(state, strict=False)
+    return len(state)
 
 
 # ---------------------------------------------------------------- forward
@@ -268,8 +289,12 @@ class AlignLoss(torch.nn.Module):
         self.specs = [(int(layer), int(heads), look) for layer, heads, look in specs]
         if any(look not in ("next", "here") for _, _, look in self.specs):
             raise ValueError(f"look must be 'next' or 'here': {self.specs}")
-        self.attn = {layer: text.layers[layer].self_attn for layer, _, _ in self.specs}
         cfg = text.config
+        for layer, heads, _ in self.specs:
+            if not (0 <= layer < cfg.num_hidden_layers and 1 <= heads <= cfg.num_attention_heads):
+                raise ValueError(f"guided heads {layer}:{heads}: the decoder has {cfg.num_hidden_layers} layers "
+                                 f"of {cfg.num_attention_heads} heads")
+        self.attn = {layer: text.layers[layer].self_attn for layer, _, _ in self.specs}
         self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
         self.active = False
         self._captured: dict[int, tuple] = {}

@@ -199,9 +199,13 @@ def build_or_resume(args, device):
         return model.to(device), tokenizer, state["image_size"], state
     preset = dm.PRESETS[args.preset]
     t = time.time()
-    tokenizer = dm.build_tokenizer(dm.tokenizer_corpus(args.tokenizer_docs), preset["vocab"])
+    tokenizer = dm.build_tokenizer(dm.tokenizer_corpus(args.tokenizer_docs), preset["vocab"], args.max_token_chars)
     log("tokenizer trained", vocab=len(tokenizer), seconds=time.time() - t)
     model = dm.new_model(dm.make_config(tokenizer, args.preset), seed=args.seed)
+    if args.vision_from:
+        n = dm.copy_vision(model, args.vision_from)
+        log("vision tower loaded", path=args.vision_from, tensors=n)
+        return model.to(device), tokenizer, preset["image_size"], {"vision_unfrozen": True, "curriculum": True}
     return model.to(device), tokenizer, preset["image_size"], None
 
 
@@ -226,7 +230,7 @@ def train(args) -> dict:
     log("model", params=n_params, image_size=size, tokens_per_page=tpp, window=window, device=str(device))
     experts = dm.set_experts_implementation(model, "grouped_mm") if cuda else "eager"
 
-    difficulty = mp.Value("d", args.start_difficulty if state is None else 1.0)
+    difficulty = mp.Value("d", args.start_difficulty if state is None or state.get("curriculum") else 1.0)
     stream = PageStream(tokenizer.backend_tokenizer.to_str(), size, args.scan_prob,
                         HELD_OUT_LIMIT + args.seed * 100_000_000 + (state or {}).get("step", 0) * 1000, difficulty,
                         args.kind)
@@ -293,7 +297,7 @@ def train(args) -> dict:
     try:
         while time.time() < train_end:
             frac = (time.time() - train_start) / max(1.0, train_end - train_start)
-            difficulty.value = 1.0 if state is not None else \
+            difficulty.value = 1.0 if state is not None and not state.get("curriculum") else \
                 min(1.0, args.start_difficulty + (1 - args.start_difficulty) * frac / args.curriculum_frac)
             if not vision_unfrozen and frac >= args.freeze_frac:
                 vision_unfrozen, unfrozen_at = True, step
@@ -468,6 +472,10 @@ def parse_args(argv=None):
     ap.add_argument("--scan-prob", type=float, default=0.2)
     ap.add_argument("--kind", default="document", choices=["document", "words"],
                     help="training pages: synthetic documents, or 1-3 big words (a quick learnability probe)")
+    ap.add_argument("--vision-from", help="a saved model folder whose vision tower (and projector) starts this "
+                                          "fresh run; the decoder and tokenizer are new")
+    ap.add_argument("--max-token-chars", type=int, default=None,
+                    help="longest BPE token in characters (e.g. 4: tokens are a few glyphs, not whole words)")
     ap.add_argument("--tokenizer-docs", type=int, default=1500)
     ap.add_argument("--eval-every", type=float, default=60.0, help="seconds between teacher-forced held-out evals")
     ap.add_argument("--greedy-every", type=float, default=180.0, help="seconds between greedy held-out CER evals")

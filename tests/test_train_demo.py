@@ -164,3 +164,23 @@ def test_alignment_loss_targets_image_slots_and_trains_the_guided_heads(tiny):
     align.remove()
     model.zero_grad(set_to_none=True)
     model.eval()
+
+
+def test_tokenizer_can_cap_token_length_to_a_few_glyphs():
+    tokenizer = dm.build_tokenizer(dm.tokenizer_corpus(60), 4096, max_token_length=4)
+    special = set(tokenizer.all_special_tokens)
+    assert max(len(t) for t in tokenizer.get_vocab() if t not in special) <= 4
+    assert all(len(tokenizer.encode(str(i), add_special_tokens=False)) == 1 for i in range(1000))
+    assert tokenizer.convert_tokens_to_ids("<PAGE>") == 11
+
+
+def test_a_fresh_decoder_can_start_from_a_saved_vision_tower(tiny, tmp_path):
+    model, tokenizer = tiny
+    dm.save_model(model, tokenizer, tmp_path / "saved", dm.PRESETS["tiny"]["image_size"], dtype=torch.float32)
+    other_tok = dm.build_tokenizer(dm.tokenizer_corpus(30), dm.PRESETS["tiny"]["vocab"], max_token_length=4)
+    fresh = dm.new_model(dm.make_config(other_tok, "tiny"), seed=7)
+    assert dm.copy_vision(fresh, tmp_path / "saved") > 0
+    a, b = model.state_dict(), fresh.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in b if k.startswith(dm.VISION_PREFIXES))
+    assert not torch.equal(a["model.language_model.layers.0.self_attn.q_proj.weight"],
+                           b["model.language_model.layers.0.self_attn.q_proj.weight"])
