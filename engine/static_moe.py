@@ -13,6 +13,9 @@ weight * down(act(gate(x)) * up(x)). Shapes depend on T only, never on the routi
 - ``gather``: index the weights of the T*k routed experts (a copy of T*k expert matrices), then batched
   matrix-vector products. Bytes ~3x the routed weights: cheap for T = 1-2, ruinous for T = 16 (~100 pairs).
 - ``auto``: ``grouped`` on the CPU and on CUDA in bf16, ``gather`` otherwise (fp32 on CUDA).
+- ``mixed``: ``gather`` for steps of at most ``MIXED_GATHER_MAX_TOKENS`` tokens (single-token decode, where
+  it measured fastest on the H200), ``grouped`` for wider verify steps. The choice depends on the step's
+  static width only, so each captured graph holds one of the two.
 - ``dense``: every expert on every token, weights zero for experts not routed. Reads all E experts'
   weights whatever T is (~440 MB per layer at full size): flat cost, plausible for wide verify steps.
 """
@@ -21,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-MOE_IMPLS = ("auto", "grouped", "gather", "dense")
+MOE_IMPLS = ("auto", "grouped", "gather", "dense", "mixed")
+MIXED_GATHER_MAX_TOKENS = 2  # `mixed`: gather up to this many tokens per step, grouped above
 
 
 def resolve(name: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -73,7 +77,12 @@ def dense(experts, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     return (out * weights.T[:, :, None]).sum(dim=0).to(x.dtype)
 
 
+def mixed(experts, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    impl = gather if x.shape[0] <= MIXED_GATHER_MAX_TOKENS else grouped
+    return impl(experts, x, top_k_index, top_k_weights)
+
+
 def experts_forward(name: str):
     if name not in MOE_IMPLS or name == "auto":
         raise ValueError(f"moe must be one of {MOE_IMPLS[1:]} here (resolve 'auto' first), not {name!r}")
-    return {"grouped": grouped, "gather": gather, "dense": dense}[name]
+    return {"grouped": grouped, "gather": gather, "dense": dense, "mixed": mixed}[name]

@@ -117,7 +117,7 @@ def test_static_plain_and_lossless_equal_official(models, official, window, n_pa
         assert _ids(loaded, pages, max_new, replay_ids=_corrupt(expected, vocab, how)) == expected, how
 
 
-@pytest.mark.parametrize("moe", ["gather", "dense"])
+@pytest.mark.parametrize("moe", ["gather", "dense", "mixed"])
 @pytest.mark.parametrize("n_pages", [1, 3])
 def test_other_moe_implementations(models, official, moe, n_pages):
     loaded, pages, expected = models[8], _pages(n_pages), official(8, n_pages)
@@ -270,7 +270,7 @@ def test_cuda_graphs_equal_official_fp32(folders, window, n_pages):
     pages = _pages(n_pages)
     expected = official_generate(loaded, pages, _kind(n_pages), LENGTHS[window]).output_ids
     vocab = loaded.model.config.text_config.vocab_size
-    for moe, attn in [("auto", "sdpa"), ("dense", "sdpa"), ("gather", "sdpa"), ("auto", "matmul")]:
+    for moe, attn in [("auto", "sdpa"), ("dense", "sdpa"), ("gather", "sdpa"), ("mixed", "sdpa"), ("auto", "matmul")]:
         plain = FastDecoder(loaded, mode="plain", backend="graphs", moe=moe, attn=attn)
         res = plain.generate(pages, LENGTHS[window])
         assert plain.backend == "graphs", plain.fallback_reason
