@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
-from scripts import bench_engine, gpu_check
+from scripts import bench_engine, gpu_check, profile_step
 
 
 def _last_json(capsys) -> dict:
@@ -46,3 +47,10 @@ def test_gpu_check_tiny_smoke(capsys):
     fp32 = report["runs"]["float32"]["summary"]
     assert all(s["identical"] == s["pages"] == 1 for s in fp32.values())
     assert 0.0 <= report["runs"]["bfloat16"]["summary"]["plain"]["token_match_rate"] <= 1.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
+def test_profile_step_refuses_without_cuda(monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["profile_step.py"])
+    assert profile_step.main() == 2
+    assert "needs CUDA" in capsys.readouterr().err
