@@ -230,10 +230,12 @@ class OfficialDecoder:
 
 def load_decoder(path: str, device: str = "auto", dtype: str = "auto", mode: str = "official",
                  fast_threshold: float | None = None) -> ChunkDecoder:
-    """official: transformers generate(); plain / lossless: engine.speculative (token-identical);
-    fast: engine.speculative with relaxed acceptance at ``fast_threshold``."""
+    """official: transformers generate(); plain / lossless: the speculative engine (token-identical), on CUDA
+    graphs over static buffers when the model is on a GPU (`engine.fast_decoder`; any failure there falls back
+    to the eager engine, logged), eager on the CPU; fast: relaxed acceptance at ``fast_threshold`` (eager)."""
+    from engine.fast_decoder import FastDecoder
     from engine.model import load_model
-    from engine.speculative import MODES, SpeculativeDecoder
+    from engine.speculative import MODES
 
     if mode != "official" and mode not in MODES:
         raise ValueError(f"engine mode {mode!r} is not available; use 'official', 'plain', 'lossless' or 'fast'")
@@ -241,4 +243,4 @@ def load_decoder(path: str, device: str = "auto", dtype: str = "auto", mode: str
     if mode == "official":
         return OfficialDecoder(loaded)
     extra = {"fast_threshold": fast_threshold} if fast_threshold is not None else {}
-    return SpeculativeDecoder(loaded, mode=mode, **extra)
+    return FastDecoder(loaded, mode=mode, **extra)

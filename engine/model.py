@@ -129,6 +129,10 @@ def load_model(path: str, device: str = "auto", dtype: str = "auto") -> LoadedMo
         raise ModelLoadError(f"cannot load processor/tokenizer from {folder}: {_one_line(exc)}") from exc
 
     model = model.to(dev).eval().requires_grad_(False)
+    from engine.static_moe import make_official_experts_runnable
+
+    if make_official_experts_runnable(model):  # fp32/fp16 on CUDA: grouped_mm experts are bf16-only there
+        logger.info("experts implementation set to 'eager' ({} on {})", dt, dev)
     tok = processor.tokenizer
     text_cfg = config.text_config
     sep = tok.convert_tokens_to_ids(PAGE_SEPARATOR)
