@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, help="output tokens per run (default 2048; quick 512)")
     ap.add_argument("--pages", help="comma-separated chunk sizes (default 1,16; quick 1)")
     ap.add_argument("--rates", help="comma-separated draft error rates in %% (default 0,10,30,100)")
-    ap.add_argument("--moe", default="auto", help="comma-separated: auto,grouped,dense,gather (first = main; auto is "
+    ap.add_argument("--moe", default="auto", help="comma-separated: auto,grouped,dense,gather,mixed (first = main; auto is "
                     "grouped in bf16)")
     ap.add_argument("--attn", default="sdpa", help="comma-separated decode attention: sdpa,matmul (first = main)")
     ap.add_argument("--drafts-from", choices=("plain", "official"), default="plain",
