@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from loguru import logger
 
+from engine.static_moe import make_official_experts_runnable
+
 HUB_ID = "baidu/Unlimited-OCR"
 PAGE_SEPARATOR = "<PAGE>"
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -129,8 +131,6 @@ def load_model(path: str, device: str = "auto", dtype: str = "auto") -> LoadedMo
         raise ModelLoadError(f"cannot load processor/tokenizer from {folder}: {_one_line(exc)}") from exc
 
     model = model.to(dev).eval().requires_grad_(False)
-    from engine.static_moe import make_official_experts_runnable
-
     if make_official_experts_runnable(model):  # fp32/fp16 on CUDA: grouped_mm experts are bf16-only there
         logger.info("experts implementation set to 'eager' ({} on {})", dt, dev)
     tok = processor.tokenizer

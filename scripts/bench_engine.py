@@ -381,8 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, help="output tokens per run (default 2048; quick 512)")
     ap.add_argument("--pages", help="comma-separated chunk sizes (default 1,16; quick 1)")
     ap.add_argument("--rates", help="comma-separated draft error rates in %% (default 0,10,30,100)")
-    ap.add_argument("--moe", default="auto", help="comma-separated: auto,grouped,dense,gather,mixed (first = main; auto is "
-                    "grouped in bf16)")
+    ap.add_argument("--moe", default="auto", help="comma-separated: auto,grouped,dense,gather,mixed (first = main; "
+                    "auto is grouped in bf16)")
     ap.add_argument("--attn", default="sdpa", help="comma-separated decode attention: sdpa,matmul (first = main)")
     ap.add_argument("--drafts-from", choices=("plain", "official"), default="plain",
                     help="token sequence the injected-error drafts are made from (default: the same variant's plain "
@@ -420,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {"benchmark": "bench_engine", "argv": sys.argv[1:] if argv is None else argv,
               "environment": environment(device), "model": {"name": loaded.name, **model_desc},
               "dtype": str(dtype).removeprefix("torch."), "device": device, "tokens": args.tokens,
-              "k_max": args.k_max, "drafts_from": args.drafts_from, "backend": args.backend, "moe": args.moe, "attn": args.attn, "rates": args.rates,
+              "k_max": args.k_max, "drafts_from": args.drafts_from, "backend": args.backend, "moe": args.moe,
+              "attn": args.attn, "rates": args.rates,
               "weights_gb": round(torch.cuda.memory_allocated() / 2**30, 3) if clock.cuda else None,
               "chunks": [], "memory": {}}
     try:

@@ -62,12 +62,10 @@ def check(model_path: str, dtype: str, pages, args, deadline: float, log) -> dic
     from engine.fast_decoder import FastDecoder
     from engine.model import load_model
     from engine.official import official_generate
-    from engine.static_moe import make_official_experts_runnable
 
-    loaded = load_model(model_path, args.device, dtype)
-    experts_switched = make_official_experts_runnable(loaded.model)  # fp32 on CUDA: eager experts
-    if experts_switched:
-        log(f"  {dtype}: official experts implementation set to {experts_switched!r} (grouped_mm needs bf16)")
+    loaded = load_model(model_path, args.device, dtype)  # fp32 on CUDA: load_model switches to eager experts
+    official_experts = getattr(loaded.model.config.get_text_config(), "_experts_implementation", None)
+    log(f"  {dtype}: official experts implementation {official_experts!r}")
     vocab = loaded.model.config.text_config.vocab_size
     decoders = {
         "plain": FastDecoder(loaded, mode="plain", backend=args.backend, moe=args.moe, attn=args.attn),
@@ -77,7 +75,7 @@ def check(model_path: str, dtype: str, pages, args, deadline: float, log) -> dic
                                   drafters=("replay",)),
     }
     out = {"dtype": dtype, "pages": [], "backend": {k: d.backend for k, d in decoders.items()},
-           "moe": decoders["plain"].moe, "official_experts": experts_switched or "model default",
+           "moe": decoders["plain"].moe, "official_experts": official_experts or "model default",
            "fallback": {k: d.fallback_reason for k, d in decoders.items() if d.fallback_reason}}
     seconds = {name: 0.0 for name in ("official", *RUNS)}
     for seed, image, text in pages:

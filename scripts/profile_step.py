@@ -47,8 +47,8 @@ def main() -> int:
         rec = {"decode_ms_per_token": round(1000 * row["seconds"] / row["tokens"], 3)}
         for width in (1, 2, 4, 8, 17):
             w = bucket(width, runner.widths)
-            runner._stage([5] * width, w)
-            runner.graphs.replay(w, runner.prefix_bucket)
+            runner.step([5] * width)  # stages ids/positions in the static inputs; replays below reuse them
+            runner.commit(0)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(args.steps):
@@ -58,7 +58,7 @@ def main() -> int:
         t0 = time.perf_counter()
         for _ in range(args.steps):
             runner.step([5])
-            runner._step_tokens = 0
+            runner.commit(0)
         rec["runner_step_ms_w1"] = round(1000 * (time.perf_counter() - t0) / args.steps, 3)
         w = bucket(1, runner.widths)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
