@@ -101,9 +101,9 @@ def make_style(rng: random.Random, difficulty: float = 1.0) -> Style:
     """Document-wide style. difficulty < 1 (curriculum): bigger type, fewer characters, simpler layout."""
     d = max(0.0, min(1.0, difficulty))
     family = rng.choices(list(FAMILIES), weights=[4, 3, 2, 1])[0]
-    lo = 12 + 8 * (1 - d)
+    lo = 15 + 6 * (1 - d)
     body = round(rng.uniform(lo, lo + 9 - 2 * (1 - d)) * 2) / 2
-    hi_chars = int(200 + 600 * d)
+    hi_chars = int(200 + 420 * d)
     return Style(
         family=family, body=body, line_gap=rng.uniform(1.15, 1.5), page=rng.choice(PAGE_SIZES),
         margin=rng.uniform(40, 80), two_columns=0.3 * d, header=T.phrase(rng, 1, 4) if rng.random() < 0.45 else None,
