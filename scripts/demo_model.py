@@ -30,6 +30,15 @@ PRESETS = {
         enc=dict(hidden_size=320, intermediate_size=640, num_hidden_layers=2, num_attention_heads=5),
         text=dict(hidden_size=320, intermediate_size=896, num_hidden_layers=4, num_attention_heads=5,
                   n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=192)),
+    # A wider, deeper decoder (6 layers of 384, 6 heads) for character-level tokens: reading a glyph inside a
+    # 64 x 64-pixel vision token takes a few hops (where am I, what is next); ~21M parameters, ~42 MB in bf16.
+    "demo_l": dict(
+        image_size=1024, vocab=4096,
+        sam=dict(hidden_size=192, num_hidden_layers=4, num_attention_heads=3, window_size=16, global_attn_indexes=[],
+                 mlp_dim=768, output_channels=128, downsample_channels=[256, 384], use_rel_pos=False),
+        enc=dict(hidden_size=384, intermediate_size=768, num_hidden_layers=2, num_attention_heads=6),
+        text=dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6,
+                  n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=256)),
     # CPU learnability probes: 256-pixel pages (21 tokens a page), ~3M parameters.
     "small": dict(
         image_size=256, vocab=1024,
@@ -60,14 +69,18 @@ def build_tokenizer(texts: list[str], vocab_size: int, max_token_length: int | N
     `<|/ref|>`, `<|det|>`, `<|/det|>`, `<|grounding|>`, `<td>`, `</td>`, `<PAGE>` (each a single token).
     Digits are split into groups of at most 3 (as DeepSeek's tokenizer does), so box coordinates 0-999 are
     one token each. max_token_length: no token longer than that many (byte-level) characters, so that a token
-    is a few adjacent glyphs rather than a whole word (None: BPE's default, most words one token)."""
+    is a few adjacent glyphs rather than a whole word (None: BPE's default, most words one token); 1: one token
+    per character (every non-digit character is its own pre-token, so BPE only merges the bytes of one
+    character and digit groups), each output token then shows as one glyph on the page."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r"\p{N}{1,3}"), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    if max_token_length == 1:  # one token per character; digit groups (0-999) stay single tokens
+        split, max_token_length = pre_tokenizers.Split(Regex(r"\p{N}{1,3}|[^\p{N}]"), behavior="isolated"), None
+    else:
+        split = pre_tokenizers.Split(Regex(r"\p{N}{1,3}"), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS, PAD, *CONTROL_TOKENS],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,

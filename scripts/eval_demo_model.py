@@ -29,7 +29,7 @@ from scripts.demo_model import levenshtein  # noqa: E402
 from scripts.synth import HELD_OUT_LIMIT, make_document, render_pages, strip_markup  # noqa: E402
 from scripts.synth.text import paragraph  # noqa: E402
 
-RENDER_PX = 1024  # ingest/render.py DEFAULT_TARGET_PX
+RENDER_PX = 1024  # ingest/render.py DEFAULT_TARGET_PX (raised to the model's base size when that is larger)
 
 
 def zen_of_python() -> str:
@@ -120,6 +120,8 @@ def main(argv=None) -> int:
     from engine.official import official_generate, split_pages
 
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    global RENDER_PX
+    RENDER_PX = max(RENDER_PX, loaded.processor.image_processor.size["height"])
     sc = Scorer()
     chunk_ok = 0
     t0 = time.time()

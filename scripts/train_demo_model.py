@@ -91,6 +91,19 @@ def loss_fn(model, ids, lengths, pixels, prefix_len, window, grad_vision, pixel_
     return out
 
 
+def vision_loss(model, pixels, pixel_dtype, aux_head, grids) -> dict:
+    """The vision-only phase (`--vision-pretrain-frac`): the auxiliary character/position losses of the vision
+    tower alone, no decoder forward. Same keys as `loss_fn`, the language ones zero."""
+    aux_head.active = True
+    try:
+        _, tokens = dm.image_embeddings(model, dm.pixels_from_uint8(pixels, pixel_dtype), True, return_tokens=True)
+    finally:
+        aux_head.active = False
+    zero = torch.zeros((), device=pixels.device)
+    aux = aux_head.loss(tokens, grids) if grids is not None and (grids > 0).any() else zero
+    return {"loss": zero, "acc": zero, "word_acc": zero, "aux": aux, "align": zero, "align_acc": zero}
+
+
 # ---------------------------------------------------------------- greedy decoding (official rule)
 def greedy(model, tokenizer, pages_u8: torch.Tensor, n_pages: int, tpp: int, max_new_tokens: int,
            pixel_dtype=torch.float32, max_time: float | None = None) -> list[list[int]]:
@@ -197,11 +210,13 @@ def build_or_resume(args, device):
         model.load_state_dict(state["model"])
         log("resumed training state", path=str(path), step=state["step"])
         return model.to(device), tokenizer, state["image_size"], state
-    preset = dm.PRESETS[args.preset]
+    preset = dict(dm.PRESETS[args.preset])
+    if args.image_size:
+        preset["image_size"] = args.image_size
     t = time.time()
     tokenizer = dm.build_tokenizer(dm.tokenizer_corpus(args.tokenizer_docs), preset["vocab"], args.max_token_chars)
     log("tokenizer trained", vocab=len(tokenizer), seconds=time.time() - t)
-    model = dm.new_model(dm.make_config(tokenizer, args.preset), seed=args.seed)
+    model = dm.new_model(dm.make_config(tokenizer, preset), seed=args.seed)
     if args.vision_from:
         n = dm.copy_vision(model, args.vision_from)
         log("vision tower loaded", path=args.vision_from, tensors=n)
@@ -213,8 +228,27 @@ def vision_params(model):
     return list(model.model.vision_tower.parameters())
 
 
+def raise_open_file_limit() -> None:
+    """DataLoader workers pass every page through shared memory, one file descriptor each while in flight: with
+    the usual soft limit of 1,024 the workers died after a minute ("Too many open files") on the CPU box. Raise the
+    soft limit to the hard one, and share through the file system if that is still low."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+        if soft < target:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 65536:
+            torch.multiprocessing.set_sharing_strategy("file_system")
+    except (ImportError, ValueError, OSError):  # Windows, or a limit we may not change
+        if "file_system" in torch.multiprocessing.get_all_sharing_strategies():
+            torch.multiprocessing.set_sharing_strategy("file_system")
+
+
 def train(args) -> dict:
     deadline = START + args.minutes * 60
+    raise_open_file_limit()
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     cuda = device.type == "cuda"
@@ -261,14 +295,16 @@ def train(args) -> dict:
     if args.align_weight > 0:
         align = dm.AlignLoss(model, dm.AlignLoss.parse(args.align))
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if cuda else {}))
-    step, unfrozen_at = 0, None
+    step, unfrozen_at, decoder_start = 0, None, None
     if state is not None and "step" in state:
         step = state["step"]
         if aux_head is not None and state.get("aux"):
             aux_head.load_state_dict(state["aux"], strict=False)  # older states have no position head
         if len(state["optimizer"]["param_groups"]) == len(groups):
             opt.load_state_dict(state["optimizer"])
-    vision_unfrozen = bool(state and state.get("vision_unfrozen"))
+    if args.vision_pretrain_frac > 0 and aux_head is None:
+        raise SystemExit("--vision-pretrain-frac needs the auxiliary heads (--aux-weight > 0)")
+    vision_unfrozen = bool(state and state.get("vision_unfrozen")) or args.vision_pretrain_frac > 0
     for p in vision_params(model):
         p.requires_grad_(vision_unfrozen)
     if vision_unfrozen:
@@ -299,12 +335,17 @@ def train(args) -> dict:
             frac = (time.time() - train_start) / max(1.0, train_end - train_start)
             difficulty.value = 1.0 if state is not None and not state.get("curriculum") else \
                 min(1.0, args.start_difficulty + (1 - args.start_difficulty) * frac / args.curriculum_frac)
+            vision_only = frac < args.vision_pretrain_frac
+            if not vision_only and decoder_start is None:
+                decoder_start = step
+                if step > first_step:
+                    log("vision pre-training done; decoder training starts", step=step)
             if not vision_unfrozen and frac >= args.freeze_frac:
                 vision_unfrozen, unfrozen_at = True, step
                 for p in vision_params(model):
                     p.requires_grad_(True)
                 log("vision tower unfrozen", step=step, lr_ratio=args.vision_lr_ratio)
-            multi = args.multi_frac * min(1.0, 0.5 + frac)
+            multi = 0.0 if vision_only else args.multi_frac * min(1.0, 0.5 + frac)
             n_pages = 1 if rng.random() >= multi else rng.choice([2, 3, 4])
             per = max(1, args.pages_per_step // n_pages)
             pages = pool.take(per * n_pages, wait_min=warm_wait)
@@ -315,15 +356,21 @@ def train(args) -> dict:
                 if g.get("vision"):
                     f = 0.0 if not vision_unfrozen else lr_factor(step - unfrozen_at, frac, args.vision_warmup)
                 else:
-                    f = lr_factor(step - first_step, frac, args.warmup)
+                    f = lr_factor(step - (decoder_start if decoder_start is not None else step), frac, args.warmup)
                 g["lr"] = g["base"] * f
             model.train()
             try:
                 with amp():
-                    res = loss_fn(model, ids, lengths, pixels, len(prompts[n_pages]), window, vision_unfrozen,
-                                  pixel_dtype, aux_head, grids, align, targets)
+                    if vision_only:
+                        res = vision_loss(model, pixels, pixel_dtype, aux_head, grids)
+                    else:
+                        res = loss_fn(model, ids, lengths, pixels, len(prompts[n_pages]), window, vision_unfrozen,
+                                      pixel_dtype, aux_head, grids, align, targets)
                 opt.zero_grad(set_to_none=True)
-                (res["loss"] + args.aux_weight * res["aux"] + args.align_weight * res["align"]).backward()
+                total = res["loss"] + args.aux_weight * res["aux"] + args.align_weight * res["align"]
+                if not total.requires_grad:  # a vision-only batch of scan-like pages: no character targets
+                    continue
+                total.backward()
             except torch.cuda.OutOfMemoryError:
                 opt.zero_grad(set_to_none=True)
                 res = None
@@ -466,6 +513,10 @@ def parse_args(argv=None):
     ap.add_argument("--aux-weight", type=float, default=1.0,
                     help="weight of the auxiliary character-grid losses on the SAM patches and vision tokens (0 = off;"
                          " DESIGN's plain recipe is --aux-weight 0 --freeze-frac 0.3 --vision-lr-ratio 0.1)")
+    ap.add_argument("--vision-pretrain-frac", type=float, default=0.0,
+                    help="share of the time spent training the vision tower alone on the auxiliary character losses "
+                         "(no decoder forward: several times more pages a second) before the decoder starts; the "
+                         "tower is trainable from step 0")
     ap.add_argument("--start-difficulty", type=float, default=0.0)
     ap.add_argument("--curriculum-frac", type=float, default=0.4, help="difficulty reaches 1 at this share of time")
     ap.add_argument("--multi-frac", type=float, default=0.4, help="share of steps with 2-4 page samples")
@@ -475,7 +526,11 @@ def parse_args(argv=None):
     ap.add_argument("--vision-from", help="a saved model folder whose vision tower (and projector) starts this "
                                           "fresh run; the decoder and tokenizer are new")
     ap.add_argument("--max-token-chars", type=int, default=None,
-                    help="longest BPE token in characters (e.g. 4: tokens are a few glyphs, not whole words)")
+                    help="longest BPE token in characters (e.g. 4: tokens are a few glyphs, not whole words; 1: one "
+                         "token per character, digit groups 0-999 still one token)")
+    ap.add_argument("--image-size", type=int, default=None,
+                    help="base-mode image size instead of the preset's (a multiple of 64; 2048: 32 x 32 vision tokens, "
+                         "1,057 a page)")
     ap.add_argument("--tokenizer-docs", type=int, default=1500)
     ap.add_argument("--eval-every", type=float, default=60.0, help="seconds between teacher-forced held-out evals")
     ap.add_argument("--greedy-every", type=float, default=180.0, help="seconds between greedy held-out CER evals")

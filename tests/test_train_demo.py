@@ -184,3 +184,42 @@ def test_a_fresh_decoder_can_start_from_a_saved_vision_tower(tiny, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in b if k.startswith(dm.VISION_PREFIXES))
     assert not torch.equal(a["model.language_model.layers.0.self_attn.q_proj.weight"],
                            b["model.language_model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_character_tokenizer_gives_one_token_per_glyph_and_keeps_numbers_whole():
+    from scripts.synth import layout_labels
+
+    tokenizer = dm.build_tokenizer(dm.tokenizer_corpus(60), 4096, max_token_length=1)
+    label = layout_labels(800_001, 1)[0] + "\n汉字 • 2026"
+    ids = tokenizer.encode(label, add_special_tokens=False)
+    assert tokenizer.decode(ids) == label
+    for piece in ("Interface", "a-b, (c)."):  # letters and punctuation of the corpus; others fall back to bytes
+        assert len(tokenizer.encode(piece, add_special_tokens=False)) == len(piece)
+    assert all(len(tokenizer.encode(str(i), add_special_tokens=False)) == 1 for i in range(1000))
+    assert len(tokenizer.encode("12345", add_special_tokens=False)) == 2  # digit groups of at most 3
+    assert [tokenizer.convert_tokens_to_ids(t) for t in ("<|det|>", "<|/det|>", "<PAGE>")] == [6, 7, 11]
+    assert tokenizer.encode("<|det|>", add_special_tokens=False) == [6]
+
+
+def test_vision_only_phase_trains_the_tower_and_leaves_the_decoder_alone(tiny):
+    from scripts.synth import page_arrays
+    from scripts.synth.text import N_CHAR_CLASSES
+    from scripts.train_demo_model import char_tensor, make_batch, vision_loss
+
+    model, tokenizer = tiny
+    size = dm.PRESETS["tiny"]["image_size"]
+    items = [it for s in range(2) for it in page_arrays(s, 1, size, kind="words", chars=True)]
+    pages = [(torch.from_numpy(a), torch.tensor(tokenizer.encode(lbl, add_special_tokens=False)), char_tensor(g, size))
+             for a, lbl, g in items]
+    _, _, pixels, grids, _ = make_batch(pages, 1, dm.prompt_ids(tokenizer, 1, dm.tokens_per_page(size)), 11, 1, 2, "cpu")
+    heads = dm.AuxHeads(model, N_CHAR_CLASSES)
+    model.train()
+    model.zero_grad(set_to_none=True)
+    res = vision_loss(model, pixels, torch.float32, heads, grids)
+    assert res["loss"] == 0 and torch.isfinite(res["aux"]) and res["aux"] > 0
+    res["aux"].backward()
+    assert model.model.vision_tower.sam_encoder.patch_embed.projection.weight.grad.abs().sum() > 0
+    assert all(p.grad is None for p in model.model.language_model.parameters())
+    heads.remove()
+    model.zero_grad(set_to_none=True)
+    model.eval()
