@@ -11,6 +11,8 @@ Same computation as ``UnlimitedOcrForConditionalGeneration.forward`` under ``gen
 
 A prefill is one forward over the whole prefix (full causal inside it). A step is one forward over the
 tokens that follow the committed length; the caller decides how many of them to ``commit``.
+With ``capture_layers`` set, each forward also keeps the outputs of those layers in ``features`` (the block
+drafter's input).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class RswaRunner:
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.image_token_id = model.config.image_token_id
+        self.capture_layers: tuple[int, ...] = ()  # decoder layers whose outputs each forward keeps (block drafter)
+        self.features: torch.Tensor | None = None  # [tokens, len(capture_layers) * hidden] of the last forward
 
     def new_cache(self, prefix_len: int, max_step_tokens: int) -> RswaKVCache:
         weight = self.text.embed_tokens.weight
@@ -76,9 +80,13 @@ class RswaRunner:
         positions, mask = cache.begin_step(embeds.shape[1])
         position_embeddings = self.text.rotary_emb(embeds, position_ids=positions)
         hidden = embeds
-        for layer in self.text.layers:
+        kept = []
+        for i, layer in enumerate(self.text.layers):
             hidden = layer(hidden, attention_mask=mask, position_ids=positions, cache=cache,
                            position_embeddings=position_embeddings)
+            if i in self.capture_layers:
+                kept.append(hidden[0])
+        self.features = torch.cat(kept, dim=-1) if kept else None
         return hidden
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,9 @@ Every mode records the log-probability of each emitted token (``DecodeResult.log
 Stats (``DecodeResult.extra["speculative"]``, merged into ``ChunkOutput.chunk_stats``; pages get their
 token share of the counts and times): tokens, forwards (1 prefill + verify_rounds + single_steps),
 verify_rounds (forwards with a draft), single_steps (draftless forwards), draft_tokens, accepted_tokens,
-tau (accepted draft tokens per verify round), drafters (rounds/proposed/accepted/acceptance by drafter),
+(pages also get the chunk's tau, draft_share and drafters, the acceptance by position included),
+tau (accepted draft tokens per verify round), drafters (rounds/proposed/accepted/acceptance by drafter, and
+acceptance by position in the draft), draft_share (share of the decode's wall time spent drafting),
 prefill_s (processor + vision + prefix forward + first token), draft_s, verify_s, single_s, cache_bytes,
 ring_slots. ``DecodeResult.seconds`` is the wall time of the whole decode, processor included.
 """
@@ -29,6 +31,7 @@ from typing import Any
 
 from engine.chunk_decode import ChunkOutput, assemble, describe_model, free_device_memory, no_room, token_budget
 from engine.drafters import Drafter
+from engine.drafters.block import BlockDrafter, BlockDrafterNet
 from engine.drafters.ngram import NgramDrafter
 from engine.drafters.policy import DraftPolicy
 from engine.drafters.suffix_match import ReferenceDrafter, ReplayDrafter
@@ -40,7 +43,7 @@ from engine.verify import token_logprob, verify_round
 
 MODES = ("plain", "lossless", "fast")
 DEFAULT_FAST_THRESHOLD = 0.3
-DRAFTERS = ("reference", "replay", "ngram")
+DRAFTERS = ("reference", "replay", "ngram", "block")
 SHARED_STATS = ("verify_rounds", "single_steps", "draft_tokens", "accepted_tokens", "relaxed_tokens",
                 "prefill_s", "draft_s", "verify_s", "single_s")
 
@@ -68,11 +71,13 @@ class SpeculativeDecoder:
 
     k_max: most draft tokens per verify round (the ring holds window + k_max slots).
     drafters: names, in priority order, used in lossless mode: ``reference`` (needs reference_texts),
-    ``replay`` (needs replay_ids), ``ngram`` (always available).
+    ``replay`` (needs replay_ids), ``ngram`` (always available), ``block`` (needs ``block_net``, a trained
+    `BlockDrafterNet` for this target; the runner then keeps the features it needs on every forward).
     """
 
     def __init__(self, loaded: LoadedModel, mode: str = "lossless", k_max: int = 16,
-                 drafters: tuple[str, ...] = DRAFTERS, fast_threshold: float = DEFAULT_FAST_THRESHOLD):
+                 drafters: tuple[str, ...] = DRAFTERS, fast_threshold: float = DEFAULT_FAST_THRESHOLD,
+                 block_net: BlockDrafterNet | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         unknown = set(drafters) - set(DRAFTERS)
@@ -83,6 +88,10 @@ class SpeculativeDecoder:
         if not 0.0 < fast_threshold <= 1.0:
             raise ValueError("fast_threshold must be in (0, 1]")
         self.fast_threshold = fast_threshold
+        self.block_net = block_net
+        if block_net is not None and block_net.config.target_hidden != loaded.model.config.text_config.hidden_size:
+            raise ValueError(f"the block drafter was made for hidden size {block_net.config.target_hidden}, the "
+                             f"model has {loaded.model.config.text_config.hidden_size}")
         self.loaded = loaded
         self.mode = mode
         self.k_max = k_max
@@ -94,7 +103,7 @@ class SpeculativeDecoder:
 
     def describe(self) -> dict[str, Any]:
         return {**describe_model(self.loaded), "mode": self.mode,
-                "k_max": self.k_max, "drafters": list(self.drafter_names) if self.mode != "plain" else [],
+                "k_max": self.k_max, "drafters": self._active_names() if self.mode != "plain" else [],
                 **({"fast_threshold": self.fast_threshold} if self.mode == "fast" else {})}
 
     def free_memory(self) -> None:
@@ -118,7 +127,7 @@ class SpeculativeDecoder:
         for page in out.pages:
             share = page.stats["tokens"] / len(res.output_ids) if res.output_ids else 0.0
             page.stats.update({key: _scaled(stats[key], share) for key in SHARED_STATS}, tau=stats["tau"],
-                              mode=self.mode)
+                              mode=self.mode, draft_share=stats["draft_share"], drafters=stats["drafters"])
         return out
 
     def generate(self, images: list, max_new_tokens: int, reference_texts: list[str] | None = None,
@@ -132,16 +141,23 @@ class SpeculativeDecoder:
         inputs = official_inputs(loaded, images, kind)
         prompt_ids = inputs["input_ids"][0].tolist()
         rule = NoRepeatNgramRule(*self._rules[kind], prompt_ids)
+        drafters = self._drafters(kind, reference_texts, replay_ids)
+        block = next((d for d in drafters if isinstance(d, BlockDrafter)), None)
+        self.runner.capture_layers = tuple(self.block_net.config.layers) if block else ()
         cache, logits = self.runner.prefill(inputs, max_step_tokens=self.k_max + 1)
+        if block:
+            block.feed(self.runner.features)
         output = [greedy_token(logits, rule.banned())]
         logprobs = [token_logprob(logits, output[0])]
         rule.extend(output)
         fast = self.fast_threshold if self.mode == "fast" else None
         strict = frozenset(i for i in (eos, loaded.page_sep_id) if i is not None)
-        policy = DraftPolicy(self._drafters(kind, reference_texts, replay_ids), self.k_max)
+        policy = DraftPolicy(drafters, self.k_max)
 
         def one_round(last: int, draft: list[int]) -> tuple[list[int], list[float], int]:
             step = verify_round(self.runner, cache, rule, last, draft, eos, fast, strict)
+            if block:
+                block.feed(self.runner.features[: len(step.emitted)])  # the inputs this round committed
             return step.emitted, step.logprobs, step.relaxed
 
         loop = run_rounds(policy, one_round, output, logprobs, rule, eos, max_new_tokens,
@@ -167,7 +183,13 @@ class SpeculativeDecoder:
                 drafters.append(ReplayDrafter(replay_ids))
             elif name == "ngram":
                 drafters.append(NgramDrafter())
+            elif name == "block" and self.block_net is not None:
+                model = self.loaded.model
+                drafters.append(BlockDrafter(self.block_net, model.get_input_embeddings(), model.lm_head))
         return drafters
+
+    def _active_names(self) -> list[str]:
+        return [n for n in self.drafter_names if n != "block" or self.block_net is not None]
 
 
 def run_rounds(policy: DraftPolicy, one_round, output: list[int], logprobs: list[float], rule: NoRepeatNgramRule,
@@ -178,6 +200,7 @@ def run_rounds(policy: DraftPolicy, one_round, output: list[int], logprobs: list
     stats: verify_rounds, single_steps, forwards, draft_tokens, accepted_tokens, tau, relaxed_tokens, drafters
     and the time split (prefill_s, draft_s, verify_s, single_s)."""
     times = {"prefill_s": prefill_s, "draft_s": 0.0, "verify_s": 0.0, "single_s": 0.0}
+    started = time.perf_counter() - prefill_s
     rounds = singles = relaxed = 0
     while output[-1] != eos and len(output) < max_new_tokens:
         t = time.perf_counter()
@@ -202,6 +225,7 @@ def run_rounds(policy: DraftPolicy, one_round, output: list[int], logprobs: list
             "draft_tokens": sum(s.proposed for s in policy.stats.values()), "accepted_tokens": accepted,
             "tau": round(accepted / rounds, 4) if rounds else 0.0, "relaxed_tokens": relaxed,
             "drafters": {name: s.as_dict() for name, s in policy.stats.items()},
+            "draft_share": round(times["draft_s"] / max(1e-9, time.perf_counter() - started), 4),
             **{key: round(value, 4) for key, value in times.items()}}
 
 
@@ -211,7 +235,9 @@ def _scaled(value: float, share: float) -> float:
 
 def decode_ids(loaded: LoadedModel, images: list, max_new_tokens: int, mode: str = "lossless", k_max: int = 16,
                drafters: tuple[str, ...] = DRAFTERS, reference_texts: list[str] | None = None,
-               replay_ids: list[int] | None = None, fast_threshold: float = DEFAULT_FAST_THRESHOLD) -> list[int]:
+               replay_ids: list[int] | None = None, fast_threshold: float = DEFAULT_FAST_THRESHOLD,
+               block_net: BlockDrafterNet | None = None) -> list[int]:
     """Output ids of one decode (EOS included when reached), for tests and benchmarks."""
-    decoder = SpeculativeDecoder(loaded, mode=mode, k_max=k_max, drafters=drafters, fast_threshold=fast_threshold)
+    decoder = SpeculativeDecoder(loaded, mode=mode, k_max=k_max, drafters=drafters, fast_threshold=fast_threshold,
+                                 block_net=block_net)
     return decoder.generate(images, max_new_tokens, reference_texts, replay_ids).output_ids

@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.drafters import Drafter
 
@@ -22,11 +22,14 @@ class DrafterStats:
     rounds: int = 0  # rounds in which its draft was verified
     proposed: int = 0  # draft tokens verified
     accepted: int = 0  # draft tokens accepted
+    proposed_at: list[int] = field(default_factory=list)  # [j]: rounds whose draft had a token at position j
+    accepted_at: list[int] = field(default_factory=list)  # [j]: rounds that accepted the token at position j
 
     def as_dict(self) -> dict:
         rate = self.accepted / self.proposed if self.proposed else 0.0
+        by_position = [round(a / p, 4) for a, p in zip(self.accepted_at, self.proposed_at)]
         return {"rounds": self.rounds, "proposed": self.proposed, "accepted": self.accepted,
-                "acceptance": round(rate, 4)}
+                "acceptance": round(rate, 4), "acceptance_by_position": by_position}
 
 
 class DraftPolicy:
@@ -57,6 +60,11 @@ class DraftPolicy:
         stats.rounds += 1
         stats.proposed += proposed
         stats.accepted += accepted
+        for counts in (stats.proposed_at, stats.accepted_at):
+            counts.extend([0] * (proposed - len(counts)))
+        for j in range(proposed):
+            stats.proposed_at[j] += 1
+            stats.accepted_at[j] += j < accepted
         self.k[name] = min(self.k_max, 2 * (accepted + 1))
         if accepted == 0:
             self._sit_out[name] = self._backoff[name]

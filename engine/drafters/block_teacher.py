@@ -1,0 +1,90 @@
+"""Teacher data for the block drafter: the target's features of a decoded sequence, from one forward under the
+R-SWA mask (prefix global, output window n), checked against the target's own greedy tokens.
+
+A plain forward without a cache uses full causal attention and disagrees with generate() after n output tokens
+(DESIGN section 2); the seed project trained its drafter on such features. Here the mask is
+`engine.official.rswa_mask`, and `teacher_features` replays the official no-repeat-ngram rule over the logits of
+the same forward: every output token must be the target's greedy choice, or the data is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.model import LoadedModel
+from engine.ngram_rule import NoRepeatNgramRule, greedy_token
+from engine.official import official_inputs, rswa_mask
+from engine.runner import RswaRunner
+
+
+class TeacherMismatch(RuntimeError):
+    """The teacher-forced forward does not reproduce the decoded tokens (wrong mask, or a different model)."""
+
+
+@dataclass
+class TeacherSequence:
+    features: torch.Tensor  # [P + T, len(layers) * H]: outputs of the chosen layers at every input position
+    output_ids: list[int]  # o_0 .. o_{T-1}
+    prompt_len: int  # P
+
+
+@torch.inference_mode()
+def teacher_features(loaded: LoadedModel, images: list, output_ids: list[int], layers: list[int],
+                     check: bool = True) -> TeacherSequence:
+    """Features of prompt + output_ids (one forward, R-SWA mask). check: replay the official rule over the
+    forward's logits and raise `TeacherMismatch` unless every output token is the greedy choice."""
+    from engine.speculative import official_rule
+
+    model = loaded.model
+    kind = "single" if len(images) == 1 else "multi"
+    inputs = official_inputs(loaded, images, kind)
+    prompt_ids = inputs["input_ids"][0].tolist()
+    runner = RswaRunner(model)
+    prompt = runner.prompt_embeddings(inputs)
+    P, T = prompt.shape[1], len(output_ids)
+    out_ids = torch.tensor([output_ids], device=prompt.device)
+    embeds = torch.cat([prompt, model.get_input_embeddings()(out_ids).to(prompt.dtype)], dim=1)
+    mask = rswa_mask(P, P + T, loaded.sliding_window, device=prompt.device)
+    kept: dict[int, torch.Tensor] = {}
+    text_layers = model.model.language_model.layers
+    hooks = [text_layers[i].register_forward_hook(
+        lambda _m, _a, out, i=i: kept.__setitem__(i, out[0] if isinstance(out, tuple) else out)) for i in layers]
+    try:
+        logits = model(inputs_embeds=embeds, attention_mask=mask, use_cache=False).logits[0].float()
+    finally:
+        for h in hooks:
+            h.remove()
+    features = torch.cat([kept[i][0] for i in layers], dim=-1)
+    if check:
+        rule = NoRepeatNgramRule(*official_rule(loaded, kind), prompt_ids)
+        for t, token in enumerate(output_ids):
+            choice = greedy_token(logits[P - 1 + t], rule.banned())
+            if choice != token:
+                raise TeacherMismatch(f"output token {t}: the R-SWA forward chooses {choice}, the decode had {token}")
+            rule.extend([token])
+    return TeacherSequence(features=features, output_ids=list(output_ids), prompt_len=P)
+
+
+def training_windows(seqs: list[TeacherSequence], context: int) -> list[tuple[int, int]]:
+    """(sequence index, anchor t) pairs usable for training: the context [P+t-C, P+t) lies inside the sequence
+    and o_{t+1} exists."""
+    return [(s, t) for s, seq in enumerate(seqs)
+            for t in range(max(0, context - seq.prompt_len), len(seq.output_ids) - 1)]
+
+
+def make_examples(seqs: list[TeacherSequence], picks: list[tuple[int, int]], context: int, block: int,
+                  embed_tokens) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(features [B, C, F], embedding of o_t [B, H], targets o_{t+1} .. o_{t+k} [B, k], -100 past the end)."""
+    feats, lasts, targets = [], [], []
+    for s, t in picks:
+        seq = seqs[s]
+        p = seq.prompt_len + t
+        feats.append(seq.features[p - context : p])
+        lasts.append(seq.output_ids[t])
+        nxt = seq.output_ids[t + 1 : t + 1 + block]
+        targets.append(nxt + [-100] * (block - len(nxt)))
+    device = seqs[0].features.device
+    last = embed_tokens(torch.tensor(lasts, device=device))
+    return torch.stack(feats), last, torch.tensor(targets, device=device)

@@ -1,0 +1,125 @@
+"""The block drafter (issue 7) on CPU, tiny random targets: output stays token-identical to official, the features
+it is fed online equal the R-SWA teacher features, teacher data refuses tokens the target would not choose, and
+`scripts/train_drafter.py` runs end to end (loss falls; uflash then loads and uses the drafter)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.chunk_decode import load_decoder
+from engine.drafters.block import BlockDrafter, BlockDrafterConfig, BlockDrafterNet
+from engine.drafters.block_teacher import TeacherMismatch, teacher_features
+from engine.drafters.policy import DraftPolicy
+from engine.model import load_model
+from engine.official import official_generate
+from engine.speculative import SpeculativeDecoder
+from engine.tiny import build_tiny_model
+from tests.conftest import text_page
+
+LENGTH = 100  # > 3x the window of 8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return load_model(str(build_tiny_model(tmp_path_factory.mktemp("block") / "m", sliding_window=8, seed=0)),
+                      "cpu", "float32")
+
+
+def _net(loaded, context=16, block=6, seed=0):
+    torch.manual_seed(seed)
+    cfg = loaded.model.config.text_config
+    config = BlockDrafterConfig(target_hidden=cfg.hidden_size, layers=BlockDrafterConfig.default_layers(
+        cfg.num_hidden_layers), block=block, context=context, dim=32, num_layers=1, num_heads=2)
+    return BlockDrafterNet(config).eval().requires_grad_(False)
+
+
+class Recording(SpeculativeDecoder):
+    """Keeps the drafters of its last decode (to look at the block drafter's state afterwards)."""
+
+    def _drafters(self, kind, reference_texts, replay_ids):
+        self.last_drafters = super()._drafters(kind, reference_texts, replay_ids)
+        return self.last_drafters
+
+
+@pytest.mark.parametrize("n_pages", [1, 3])
+def test_lossless_with_the_block_drafter_is_token_identical_and_fed_the_rswa_features(tiny, n_pages):
+    pages = [text_page(i) for i in range(n_pages)]
+    kind = "single" if n_pages == 1 else "multi"
+    official = official_generate(tiny, pages, kind, LENGTH).output_ids
+    vocab = tiny.model.config.text_config.vocab_size
+    net = _net(tiny)
+    # replay drafts right at every other token: rounds accept 0, 1 or several tokens, so every feed size occurs
+    replay = [t if i % 3 else (t + 5) % vocab for i, t in enumerate(official)]
+    dec = Recording(tiny, mode="lossless", k_max=6, drafters=("block", "replay"), block_net=net)
+    res = dec.generate(pages, LENGTH, replay_ids=replay)
+    assert res.output_ids == official
+    stats = res.extra["speculative"]["drafters"]
+    assert stats["block"]["rounds"] > 0 and stats["replay"]["accepted"] > 0
+    assert len(stats["replay"]["acceptance_by_position"]) == 6
+
+    block = next(d for d in dec.last_drafters if isinstance(d, BlockDrafter))
+    teacher = teacher_features(tiny, pages, official, net.config.layers)
+    end = teacher.prompt_len + len(official) - 1  # every input but the last emitted token
+    assert block.fed == end
+    expected = teacher.features[end - net.config.context : end]
+    assert torch.allclose(block._buffer, expected, atol=1e-4), (block._buffer - expected).abs().max()
+
+    alone = SpeculativeDecoder(tiny, mode="lossless", k_max=6, drafters=("block",), block_net=net)
+    assert alone.generate(pages, LENGTH).output_ids == official
+
+
+def test_teacher_features_refuse_a_token_the_target_would_not_choose(tiny):
+    page = [text_page(0)]
+    ids = official_generate(tiny, page, "single", 40).output_ids
+    seq = teacher_features(tiny, page, ids, [0, 1])
+    assert seq.features.shape == (seq.prompt_len + len(ids), 2 * tiny.model.config.text_config.hidden_size)
+    wrong = list(ids)
+    wrong[20] = (wrong[20] + 1) % tiny.model.config.text_config.vocab_size
+    with pytest.raises(TeacherMismatch, match="output token 20"):
+        teacher_features(tiny, page, wrong, [0, 1])
+
+
+def test_policy_counts_acceptance_by_draft_position():
+    class Fixed:
+        name = "fixed"
+
+        def propose(self, committed, k):
+            return [1] * k
+
+    policy = DraftPolicy([Fixed()], k_max=4)
+    policy.record("fixed", 4, 2)
+    policy.record("fixed", 3, 0)
+    assert policy.stats["fixed"].as_dict()["acceptance_by_position"] == [0.5, 0.5, 0.0, 0.0]
+
+
+def test_train_drafter_script_end_to_end_and_uflash_uses_the_result(tmp_path):
+    from scripts.train_drafter import main
+
+    model = build_tiny_model(tmp_path / "target", sliding_window=8, seed=3, text_init=0.02)
+    record_path = tmp_path / "record.json"
+    assert main(["--model", str(model), "--device", "cpu", "--dtype", "float32", "--pages", "3", "--steps", "150",
+                 "--batch", "32", "--max-new-tokens", "60", "--block", "4", "--dim", "64",
+                 "--json", str(record_path)]) == 0
+    record = json.loads(record_path.read_text())
+    assert record["loss_last"] < 0.8 * record["loss_first"], record
+    assert (model / "drafter" / "drafter_config.json").is_file()
+
+    decoder = load_decoder(str(model), "cpu", "float32", mode="lossless")
+    assert decoder.block_net is not None and "block" in decoder.describe()["drafters"]
+    page = [text_page(1)]
+    official = official_generate(decoder.loaded, page, "single", 80).output_ids
+    res = decoder.generate(page, 80)
+    assert res.output_ids == official
+    assert "block" in res.extra["speculative"]["drafters"]
+    assert load_decoder(str(model), "cpu", "float32", mode="plain").block_net is None
