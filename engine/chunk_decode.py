@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from loguru import logger
+
 from engine.official import DecodeResult, official_generate, parse_elements, split_pages
 from engine.model import PAGE_SEPARATOR, LoadedModel
 
@@ -232,7 +234,8 @@ def load_decoder(path: str, device: str = "auto", dtype: str = "auto", mode: str
                  fast_threshold: float | None = None) -> ChunkDecoder:
     """official: transformers generate(); plain / lossless: the speculative engine (token-identical), on CUDA
     graphs over static buffers when the model is on a GPU (`engine.fast_decoder`; any failure there falls back
-    to the eager engine, logged), eager on the CPU; fast: relaxed acceptance at ``fast_threshold`` (eager)."""
+    to the eager engine, logged), eager on the CPU; fast: relaxed acceptance at ``fast_threshold`` (eager).
+    lossless and fast also draft with the checkpoint's block drafter when it has one (`load_block_drafter`)."""
     from engine.fast_decoder import FastDecoder
     from engine.model import load_model
     from engine.speculative import MODES
@@ -243,4 +246,26 @@ def load_decoder(path: str, device: str = "auto", dtype: str = "auto", mode: str
     if mode == "official":
         return OfficialDecoder(loaded)
     extra = {"fast_threshold": fast_threshold} if fast_threshold is not None else {}
-    return FastDecoder(loaded, mode=mode, **extra)
+    net = load_block_drafter(loaded) if mode != "plain" else None
+    return FastDecoder(loaded, mode=mode, block_net=net, **extra)
+
+
+def load_block_drafter(loaded):
+    """The checkpoint's own block drafter (``<model folder>/drafter``, `scripts/train_drafter.py`), or None when
+    it has none. One that does not fit the model is refused with a warning, and decoding goes on without it."""
+    from engine.drafters.block import CONFIG_FILE, BlockDrafterNet, drafter_folder
+
+    folder = drafter_folder(loaded.path)
+    if not (folder / CONFIG_FILE).is_file():
+        return None
+    try:
+        net = BlockDrafterNet.load(folder, loaded.device, loaded.dtype)
+    except Exception as exc:  # noqa: BLE001 - a broken drafter must not stop decoding
+        logger.warning("block drafter in {} not loaded: {}: {}", folder, type(exc).__name__, exc)
+        return None
+    if net.config.target_hidden != loaded.model.config.text_config.hidden_size or \
+            max(net.config.layers) >= loaded.model.config.text_config.num_hidden_layers:
+        logger.warning("block drafter in {} was made for another model: not used", folder)
+        return None
+    logger.info("block drafter loaded from {} (block {}, layers {})", folder, net.config.block, net.config.layers)
+    return net

@@ -55,6 +55,9 @@ class FastDecoder(SpeculativeDecoder):
         if mode not in ("plain", "lossless") and backend != "eager":
             logger.info("mode {!r} has no static path yet: eager engine", mode)
             backend = "eager"
+        if self.block_net is not None and "block" in drafters and mode != "plain" and backend != "eager":
+            logger.info("the block drafter has no static path yet: eager engine")
+            backend = "eager"
         self.moe = moe  # resolved by the static runner (auto -> grouped/gather)
         self.drafter_factory = drafter_factory
         self.fallback_reason: str | None = None
