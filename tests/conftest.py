@@ -15,6 +15,18 @@ ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ROOT.parent / "shared" / "samples" / "real"
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models gain nothing from threads, and a busy 2-core box makes OpenMP threads spin
+    (modules use it with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def write_config(folder: Path, **sections: dict) -> Path:
     """A config.toml in ``folder`` with var/ folders inside it, plus the given section overrides."""
     base = {

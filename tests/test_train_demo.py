@@ -12,12 +12,7 @@ from scripts import demo_model as dm
 from scripts.checks import overfit, rswa_agreement, tiny_setup, word_pages
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: one thread is as fast, and robust on a loaded machine
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -87,16 +82,23 @@ def test_demo_tokenizer_makes_every_box_coordinate_one_token():
     assert tokenizer.encode("document parsing.")[0] == tokenizer.bos_token_id
 
 
-def test_auxiliary_character_losses_reach_the_vision_tower(tiny):
+def _char_grid_pages(tokenizer, size: int) -> list[tuple]:
+    """Two word pages as training items: (pixels, label ids, character grid)."""
     from scripts.synth import page_arrays
+    from scripts.train_demo_model import char_tensor
+
+    items = [it for s in range(2) for it in page_arrays(s, 1, size, kind="words", chars=True)]
+    return [(torch.from_numpy(a), torch.tensor(tokenizer.encode(lbl, add_special_tokens=False)), char_tensor(g, size))
+            for a, lbl, g in items]
+
+
+def test_auxiliary_character_losses_reach_the_vision_tower(tiny):
     from scripts.synth.text import N_CHAR_CLASSES
-    from scripts.train_demo_model import char_tensor, loss_fn, make_batch
+    from scripts.train_demo_model import loss_fn, make_batch
 
     model, tokenizer = tiny
     size = dm.PRESETS["tiny"]["image_size"]
-    items = [it for s in range(2) for it in page_arrays(s, 1, size, kind="words", chars=True)]
-    pages = [(torch.from_numpy(a), torch.tensor(tokenizer.encode(lbl, add_special_tokens=False)), char_tensor(g, size))
-             for a, lbl, g in items]
+    pages = _char_grid_pages(tokenizer, size)
     prompt = dm.prompt_ids(tokenizer, 1, dm.tokens_per_page(size))
     ids, lengths, pixels, grids, targets = make_batch(pages, 1, prompt, 11, 1, 2, "cpu")
     assert grids.shape == (2, size // 16, size // 8) and (grids > 0).any() and targets is None
@@ -202,15 +204,12 @@ def test_character_tokenizer_gives_one_token_per_glyph_and_keeps_numbers_whole()
 
 
 def test_vision_only_phase_trains_the_tower_and_leaves_the_decoder_alone(tiny):
-    from scripts.synth import page_arrays
     from scripts.synth.text import N_CHAR_CLASSES
-    from scripts.train_demo_model import char_tensor, make_batch, vision_loss
+    from scripts.train_demo_model import make_batch, vision_loss
 
     model, tokenizer = tiny
     size = dm.PRESETS["tiny"]["image_size"]
-    items = [it for s in range(2) for it in page_arrays(s, 1, size, kind="words", chars=True)]
-    pages = [(torch.from_numpy(a), torch.tensor(tokenizer.encode(lbl, add_special_tokens=False)), char_tensor(g, size))
-             for a, lbl, g in items]
+    pages = _char_grid_pages(tokenizer, size)
     _, _, pixels, grids, _ = make_batch(pages, 1, dm.prompt_ids(tokenizer, 1, dm.tokens_per_page(size)), 11, 1, 2, "cpu")
     heads = dm.AuxHeads(model, N_CHAR_CLASSES)
     model.train()
