@@ -27,6 +27,7 @@ from loguru import logger
 
 from engine.cuda_graphs import GraphCaptureError, StepGraphs, cuda_graphs_available
 from engine.drafters import Drafter
+from engine.drafters.block import BlockDrafter
 from engine.drafters.policy import DraftPolicy
 from engine.model import LoadedModel
 from engine.ngram_rule import NoRepeatNgramRule, greedy_token
@@ -55,9 +56,6 @@ class FastDecoder(SpeculativeDecoder):
         if mode not in ("plain", "lossless") and backend != "eager":
             logger.info("mode {!r} has no static path yet: eager engine", mode)
             backend = "eager"
-        if self.block_net is not None and "block" in drafters and mode != "plain" and backend != "eager":
-            logger.info("the block drafter has no static path yet: eager engine")
-            backend = "eager"
         self.moe = moe  # resolved by the static runner (auto -> grouped/gather)
         self.drafter_factory = drafter_factory
         self.fallback_reason: str | None = None
@@ -73,8 +71,10 @@ class FastDecoder(SpeculativeDecoder):
             raise ValueError(f"backend 'graphs' needs the model on a CUDA device, not {loaded.device}")
         self.backend = backend
         if backend in ("graphs", "static"):
+            block = self.block_net is not None and "block" in drafters and mode != "plain"
+            layers = tuple(self.block_net.config.layers) if block else ()
             self.static = StaticRswaRunner(loaded.model, k_max + 1, moe=moe, prefix_capacity=prefix_capacity,
-                                           attn=attn)
+                                           attn=attn, capture_layers=layers)
             self.moe = self.static.moe
         if backend == "graphs":
             try:
@@ -121,16 +121,22 @@ class FastDecoder(SpeculativeDecoder):
         prompt_ids = inputs["input_ids"][0].tolist()
         rule = NoRepeatNgramRule(*self._rules[kind], prompt_ids)
         logits = runner.prefill(inputs)
+        drafters = self._drafters(kind, reference_texts, replay_ids)
+        block = next((d for d in drafters if isinstance(d, BlockDrafter)), None)
+        if block:
+            block.feed(runner.features)
         output = [greedy_token(logits, rule.banned())]
         logprobs = [float(logits[output[0]] - torch.logsumexp(logits, dim=-1))]
         rule.extend(output)
         t_capture = time.perf_counter()
         captured = runner.capture_graphs()  # GraphCaptureError -> eager engine (caller)
         capture_s = time.perf_counter() - t_capture
-        policy = DraftPolicy(self._drafters(kind, reference_texts, replay_ids), self.k_max)
+        policy = DraftPolicy(drafters, self.k_max)
 
         def one_round(last: int, draft: list[int]) -> tuple[list[int], list[float], int]:
             emitted, step_logprobs = verify_static(runner, rule, last, draft, eos)
+            if block:
+                block.feed(runner.features[: len(emitted)])  # the inputs this round committed
             return emitted, step_logprobs, 0
 
         loop = run_rounds(policy, one_round, output, logprobs, rule, eos, max_new_tokens,

@@ -71,8 +71,12 @@ class StaticRswaRunner:
     prefix_capacity: allocate for at least this many prefix tokens at the first prefill (fewer regrowths)."""
 
     def __init__(self, model, max_step_tokens: int, moe: str = "auto", prefix_capacity: int = 0,
-                 attn: str = "sdpa"):
+                 attn: str = "sdpa", capture_layers: tuple[int, ...] = ()):
         self.model = model
+        # decoder layers whose outputs every prefill and step also return (the block drafter's features); fixed
+        # for the runner's life, since the graphs are captured with them
+        self.capture_layers = tuple(capture_layers)
+        self.features: torch.Tensor | None = None  # [tokens, len(capture_layers) * hidden] of the last forward
         self.embedder = RswaRunner(model)  # validates the layer types; builds prompt embeddings (vision)
         self.text = model.model.language_model
         config = self.text.config
@@ -145,17 +149,20 @@ class StaticRswaRunner:
         self.prefix_bucket = bucket(length, [b for b in PREFIX_BUCKETS if b <= self.capacity])
         positions = torch.arange(length, device=self.device)[None]
         cos, sin = self.text.rotary_emb(embeds, position_ids=positions)
-        hidden = embeds
+        hidden, kept = embeds, []
         for i, layer in enumerate(self.text.layers):
             hidden = self._layer(i, layer, hidden, cos, sin, None)
+            if i in self.capture_layers:
+                kept.append(hidden[0])
+        self.features = torch.cat(kept, dim=-1) if kept else None
         return self._final(hidden[0, -1])
 
     # --- one step (the graph body) -----------------------------------------------------------------------
 
     def step_body(self, width: int, prefix_bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 logits [width, vocab] of the staged step and a summary [width, 3] fp32 per row: argmax (exact
-        as fp32 below 2**24), max logit, logsumexp. Only device work on static tensors: no host sync, shapes
-        fixed by (width, prefix_bucket)."""
+        as fp32 below 2**24), max logit, logsumexp (and, with ``capture_layers``, the features [width, F]).
+        Only device work on static tensors: no host sync, shapes fixed by (width, prefix_bucket)."""
         pos = self.pos[:width]
         slots = pos % self.ring_size
         self.tags.index_copy_(0, slots, pos)
@@ -165,12 +172,15 @@ class StaticRswaRunner:
         mask = torch.cat([sees_ring, sees_prefix], dim=1)[None, None]
         embeds = self.text.embed_tokens(self.ids[:width])[None]
         cos, sin = self.text.rotary_emb(embeds, position_ids=pos[None])
-        hidden = embeds
+        hidden, kept = embeds, []
         for i, layer in enumerate(self.text.layers):
             hidden = self._layer(i, layer, hidden, cos, sin, (slots, mask, prefix_bucket))
+            if i in self.capture_layers:
+                kept.append(hidden[0])
         logits = self._final(hidden[0])
         argmax = logits.argmax(dim=-1)  # first index on ties, as generate's argmax
-        return logits, torch.stack([argmax.float(), logits.amax(dim=-1), torch.logsumexp(logits, dim=-1)], dim=1)
+        summary = torch.stack([argmax.float(), logits.amax(dim=-1), torch.logsumexp(logits, dim=-1)], dim=1)
+        return (logits, summary, torch.cat(kept, dim=-1)) if kept else (logits, summary)
 
     def _layer(self, i: int, layer, hidden: torch.Tensor, cos, sin, step) -> torch.Tensor:
         """One decoder layer; ``step`` None = prefill (causal over the prefix), else (slots, mask, bucket)."""
@@ -241,9 +251,10 @@ class StaticRswaRunner:
         width = bucket(len(token_ids), self.widths)
         self._stage(token_ids, width)
         if self.graphs is not None:
-            logits, summary = self.graphs.replay(width, self.prefix_bucket)
+            logits, summary, *features = self.graphs.replay(width, self.prefix_bucket)
         else:
-            logits, summary = self.step_body(width, self.prefix_bucket)
+            logits, summary, *features = self.step_body(width, self.prefix_bucket)
+        self.features = features[0] if features else None  # a graph's static output: read before the next step
         self._logits, self._step_tokens = logits, len(token_ids)
         rows = summary[:len(token_ids)].tolist()  # the one host sync of a step
         return [(int(token), best, lse) for token, best, lse in rows]

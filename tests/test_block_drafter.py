@@ -118,3 +118,33 @@ def test_train_drafter_script_end_to_end_and_uflash_uses_the_result(tmp_path):
     assert res.output_ids == official
     assert "block" in res.extra["speculative"]["drafters"]
     assert load_decoder(str(model), "cpu", "float32", mode="plain").block_net is None
+
+
+def test_the_static_runner_feeds_the_block_drafter_the_same_features(tiny):
+    """FastDecoder's static path (the CUDA-graph body, run eagerly on the CPU) with the block drafter: same tokens
+    as official, and the same fed features as the R-SWA teacher."""
+    from engine.fast_decoder import FastDecoder
+
+    pages = [text_page(i) for i in range(3)]
+    official = official_generate(tiny, pages, "multi", LENGTH).output_ids
+    net = _net(tiny)
+    vocab = tiny.model.config.text_config.vocab_size
+    replay = [t if i % 3 else (t + 5) % vocab for i, t in enumerate(official)]
+    seen = {}
+
+    class RecordingFast(FastDecoder):
+        def _drafters(self, kind, reference_texts, replay_ids):
+            seen["drafters"] = super()._drafters(kind, reference_texts, replay_ids)
+            return seen["drafters"]
+
+    dec = RecordingFast(tiny, mode="lossless", k_max=6, drafters=("block", "replay"), block_net=net,
+                        backend="static")
+    res = dec.generate(pages, LENGTH, replay_ids=replay)
+    assert res.extra["speculative"]["backend"] == "static"
+    assert res.output_ids == official
+    assert res.extra["speculative"]["drafters"]["block"]["rounds"] > 0
+    block = next(d for d in seen["drafters"] if isinstance(d, BlockDrafter))
+    teacher = teacher_features(tiny, pages, official, net.config.layers)
+    end = teacher.prompt_len + len(official) - 1
+    assert block.fed == end
+    assert torch.allclose(block._buffer, teacher.features[end - net.config.context : end], atol=1e-4)
