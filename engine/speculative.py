@@ -17,7 +17,8 @@ Every mode records the log-probability of each emitted token (``DecodeResult.log
 Stats (``DecodeResult.extra["speculative"]``, merged into ``ChunkOutput.chunk_stats``; pages get their
 token share of the counts and times): tokens, forwards (1 prefill + verify_rounds + single_steps),
 verify_rounds (forwards with a draft), single_steps (draftless forwards), draft_tokens, accepted_tokens,
-(pages also get the chunk's tau, draft_share and drafters, the acceptance by position included),
+(pages also get the chunk's tau, draft_share, drafters with the acceptance by position, and backend: eager, or
+the static/graphs path of `engine.fast_decoder`),
 tau (accepted draft tokens per verify round), drafters (rounds/proposed/accepted/acceptance by drafter, and
 acceptance by position in the draft), draft_share (share of the decode's wall time spent drafting),
 prefill_s (processor + vision + prefix forward + first token), draft_s, verify_s, single_s, cache_bytes,
@@ -127,7 +128,8 @@ class SpeculativeDecoder:
         for page in out.pages:
             share = page.stats["tokens"] / len(res.output_ids) if res.output_ids else 0.0
             page.stats.update({key: _scaled(stats[key], share) for key in SHARED_STATS}, tau=stats["tau"],
-                              mode=self.mode, draft_share=stats["draft_share"], drafters=stats["drafters"])
+                              mode=self.mode, draft_share=stats["draft_share"], drafters=stats["drafters"],
+                              backend=stats.get("backend", "eager"))
         return out
 
     def generate(self, images: list, max_new_tokens: int, reference_texts: list[str] | None = None,

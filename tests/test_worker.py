@@ -279,7 +279,8 @@ def test_all_modes_give_the_same_pages(tmp_path, tiny_model_dir):
         doc = json.loads((s.outbox / "three" / "document.json").read_text(encoding="utf-8"))
         assert doc["run"]["mode"] == mode
         if mode != "official":
-            assert {"verify_rounds", "tau"} <= set(doc["pages"][0]["stats"]), doc["pages"][0]["stats"]
+            assert {"verify_rounds", "tau", "backend", "draft_share", "drafters"} <= set(doc["pages"][0]["stats"]), \
+                doc["pages"][0]["stats"]
         db = Database(s.database_url)
         with db.session() as ss:
             ids = [c.output_ids for c in ss.scalars(select(Chunk).order_by(Chunk.id))]
