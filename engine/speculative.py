@@ -17,12 +17,11 @@ Every mode records the log-probability of each emitted token (``DecodeResult.log
 Stats (``DecodeResult.extra["speculative"]``, merged into ``ChunkOutput.chunk_stats``; pages get their
 token share of the counts and times): tokens, forwards (1 prefill + verify_rounds + single_steps),
 verify_rounds (forwards with a draft), single_steps (draftless forwards), draft_tokens, accepted_tokens,
-(pages also get the chunk's tau, draft_share, drafters with the acceptance by position, and backend: eager, or
-the static/graphs path of `engine.fast_decoder`),
 tau (accepted draft tokens per verify round), drafters (rounds/proposed/accepted/acceptance by drafter, and
 acceptance by position in the draft), draft_share (share of the decode's wall time spent drafting),
 prefill_s (processor + vision + prefix forward + first token), draft_s, verify_s, single_s, cache_bytes,
-ring_slots. ``DecodeResult.seconds`` is the wall time of the whole decode, processor included.
+ring_slots. Pages also get the chunk's tau, draft_share, drafters and backend (eager here; static or graphs
+from `engine.fast_decoder`). ``DecodeResult.seconds`` is the wall time of the whole decode, processor included.
 """
 
 from __future__ import annotations

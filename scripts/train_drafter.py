@@ -108,8 +108,6 @@ def train(net: BlockDrafterNet, loaded, seqs, steps: int | None, seconds: float 
             g["lr"] = lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
         feats, last, targets = make_examples(seqs, [rng.choice(windows) for _ in range(batch)], c.context, c.block,
                                              embed)
-        with torch.no_grad():
-            last = last.detach()
         dtype = next(net.parameters()).dtype
         logits = net(feats.to(dtype), last.to(dtype), head)
         loss = block_loss(logits, targets, c.loss_decay)
@@ -145,8 +143,7 @@ def evaluate(loaded, net, pages, max_new_tokens: int, k_max: int) -> dict:
                      "draft_share": s["draft_share"],
                      "by_position": s["drafters"].get("block", {}).get("acceptance_by_position", [])})
     n = len(rows)
-    rounds_tau = sum(r["tau"] for r in rows) / n
-    return {"pages": n, "identical": identical, "tau_mean": round(rounds_tau, 3),
+    return {"pages": n, "identical": identical, "tau_mean": round(sum(r["tau"] for r in rows) / n, 3),
             "speedup_vs_plain": round(sum(r["plain_s"] for r in rows) / sum(r["block_s"] for r in rows), 3),
             "draft_share": round(sum(r["draft_share"] for r in rows) / n, 4),
             "acceptance_by_position": _mean_lists([r["by_position"] for r in rows])}

@@ -120,7 +120,6 @@ class BlockDrafter:
 
     def __init__(self, net: BlockDrafterNet, embed_tokens, lm_head):
         self.net, self.embed_tokens, self.lm_head = net, embed_tokens, lm_head
-        c = net.config
         self._buffer: torch.Tensor | None = None  # [<= C, L*H], the latest fed features
         self.fed = 0  # inputs fed so far (prompt + committed outputs)
         self.prompt_len: int | None = None
