@@ -336,15 +336,20 @@ class AlignLoss(torch.nn.Module):
         rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rot * sin
 
-    def loss(self, targets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, targets: torch.Tensor | None, n_keys: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean cross-entropy over the specs, mean share of target positions whose argmax is the target).
         targets: [B, T], at each query position the sequence position of the image slot showing the token it
-        predicts, -1 elsewhere ("here" uses the same targets one position later)."""
+        predicts, -1 elsewhere ("here" uses the same targets one position later); None when no position has one.
+        n_keys: 1 + the number of image slots (keys are positions 1 .. n_keys - 1); None reads it off the targets
+        (a host sync: the training loop passes it)."""
         captured, self._captured = self._captured, {}
         zero = torch.zeros((), device=targets.device if targets is not None else "cpu")
-        if targets is None or not (targets >= 0).any() or not captured:
+        if targets is None or not captured:
             return zero, zero
-        n_keys = int(targets.max()) + 1  # keys: positions 1 .. last image slot used
+        if n_keys is None:
+            if not (targets >= 0).any():
+                return zero, zero
+            n_keys = int(targets.max()) + 1
         here = torch.full_like(targets, -1)
         here[:, 1:] = targets[:, :-1]
         total, hits = zero, zero

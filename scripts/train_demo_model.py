@@ -40,7 +40,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from engine.official import official_generation_config  # noqa: E402
 from scripts import demo_model as dm  # noqa: E402
-from scripts.demo_data import PagePool, PageStream, char_tensor, make_batch  # noqa: E402,F401
+from scripts.demo_data import BatchPrefetcher, PagePool, PageStream, char_tensor, make_batch  # noqa: E402,F401
 from scripts.synth import HELD_OUT_LIMIT, PAGE_SEPARATOR, page_arrays, strip_markup  # noqa: E402
 
 START = time.time()
@@ -54,11 +54,13 @@ def log(msg: str, **fields) -> None:
 
 
 def loss_fn(model, ids, lengths, pixels, prefix_len, window, grad_vision, pixel_dtype, aux_head=None, grids=None,
-            align=None, align_targets=None) -> dict:
+            align=None, align_targets=None, n_image_slots: int | None = None) -> dict:
     """Under the R-SWA mask: `loss` (mean cross-entropy of the output tokens, prefix and padding excluded),
     `acc` (token accuracy), `word_acc` (accuracy on tokens that show on the page, when `align_targets` say
     which), `aux` (auxiliary character/position loss, 0 without aux_head / grids), `align` and `align_acc`
-    (guided-attention loss and hit rate, 0 without `align`)."""
+    (guided-attention loss and hit rate, 0 without `align`). `grids` / `align_targets` are None when the batch
+    has no character cells / no slot targets (`make_batch` decides on the CPU, so no step waits on the GPU);
+    n_image_slots (all pages' slots) spares the alignment loss a host sync."""
     T = ids.shape[1]
     for head in (aux_head, align):
         if head is not None:
@@ -83,11 +85,12 @@ def loss_fn(model, ids, lengths, pixels, prefix_len, window, grad_vision, pixel_
         words = align_targets[:, prefix_len - 1 : T - 1] >= 0
         out["word_acc"] = (right & words).sum() / words.sum().clamp(min=1)
     out["aux"] = zero
-    if aux_head is not None and grids is not None and (grids > 0).any():
+    if aux_head is not None and grids is not None:
         out["aux"] = aux_head.loss(tokens, grids)
     elif aux_head is not None:
         aux_head._sam_out = None
-    out["align"], out["align_acc"] = align.loss(align_targets) if align is not None else (zero, zero)
+    n_keys = None if n_image_slots is None else n_image_slots + 1
+    out["align"], out["align_acc"] = align.loss(align_targets, n_keys) if align is not None else (zero, zero)
     return out
 
 
@@ -100,7 +103,9 @@ def vision_loss(model, pixels, pixel_dtype, aux_head, grids) -> dict:
     finally:
         aux_head.active = False
     zero = torch.zeros((), device=pixels.device)
-    aux = aux_head.loss(tokens, grids) if grids is not None and (grids > 0).any() else zero
+    if grids is None:
+        aux_head._sam_out = None
+    aux = aux_head.loss(tokens, grids) if grids is not None else zero
     return {"loss": zero, "acc": zero, "word_acc": zero, "aux": aux, "align": zero, "align_acc": zero}
 
 
@@ -321,8 +326,18 @@ def train(args) -> dict:
     history, last_eval, last_log, sums, t_n = [], time.time(), time.time(), {}, 0
     last_greedy = time.time()
     rng = random.Random(args.seed + step)
-    warm_wait = args.pages_per_step
     last_save, error = time.time(), None
+
+    def plan() -> tuple[bool, int]:
+        """(vision-only step?, pages per sample) of the next batch; asked by the prefetch thread."""
+        frac = (time.time() - train_start) / max(1.0, train_end - train_start)
+        vision_only = frac < args.vision_pretrain_frac
+        multi = 0.0 if vision_only else args.multi_frac * min(1.0, 0.5 + frac)
+        return vision_only, (1 if rng.random() >= multi else rng.choice([2, 3, 4]))
+
+    prefetch = BatchPrefetcher(
+        pool, plan, lambda pages, n: make_batch(pages, n, prompts[n], page_sep, eos, pad, device, tpp),
+        args.pages_per_step)
 
     def save(final: bool = False) -> dict:
         files = dm.save_model(model, tokenizer, Path(args.out), size)
@@ -335,7 +350,7 @@ def train(args) -> dict:
             frac = (time.time() - train_start) / max(1.0, train_end - train_start)
             difficulty.value = 1.0 if state is not None and not state.get("curriculum") else \
                 min(1.0, args.start_difficulty + (1 - args.start_difficulty) * frac / args.curriculum_frac)
-            vision_only = frac < args.vision_pretrain_frac
+            vision_only, n_pages, batch = prefetch.next()
             if not vision_only and decoder_start is None:
                 decoder_start = step
                 if step > first_step:
@@ -345,16 +360,11 @@ def train(args) -> dict:
                 for p in vision_params(model):
                     p.requires_grad_(True)
                 log("vision tower unfrozen", step=step, lr_ratio=args.vision_lr_ratio)
-            multi = 0.0 if vision_only else args.multi_frac * min(1.0, 0.5 + frac)
-            n_pages = 1 if rng.random() >= multi else rng.choice([2, 3, 4])
-            per = max(1, args.pages_per_step // n_pages)
-            pages = pool.take(per * n_pages, wait_min=warm_wait)
-            warm_wait = 0
-            ids, lengths, pixels, grids, targets = make_batch(pages, n_pages, prompts[n_pages], page_sep, eos, pad,
-                                                              device, tpp)
+            ids, lengths, pixels, grids, targets = batch
             for g in opt.param_groups:
                 if g.get("vision"):
                     f = 0.0 if not vision_unfrozen else lr_factor(step - unfrozen_at, frac, args.vision_warmup)
+                    f *= args.pretrain_lr_ratio / args.vision_lr_ratio if vision_only else 1.0
                 else:
                     f = lr_factor(step - (decoder_start if decoder_start is not None else step), frac, args.warmup)
                 g["lr"] = g["base"] * f
@@ -365,7 +375,7 @@ def train(args) -> dict:
                         res = vision_loss(model, pixels, pixel_dtype, aux_head, grids)
                     else:
                         res = loss_fn(model, ids, lengths, pixels, len(prompts[n_pages]), window, vision_unfrozen,
-                                      pixel_dtype, aux_head, grids, align, targets)
+                                      pixel_dtype, aux_head, grids, align, targets, n_pages * tpp)
                 opt.zero_grad(set_to_none=True)
                 total = res["loss"] + args.aux_weight * res["aux"] + args.align_weight * res["align"]
                 if not total.requires_grad:  # a vision-only batch of scan-like pages: no character targets
@@ -408,6 +418,7 @@ def train(args) -> dict:
         error = f"{type(exc).__name__}: {exc}"
         log("training stopped by an error; saving what there is", error=error)
     log("training done", step=step, seconds=time.time() - train_start)
+    prefetch.close()
     pool.close()
     pool_stats = {"fresh_pages": pool.fresh_used, "replayed_pages": pool.replayed}
     budget = deadline - time.time() - 15  # keep ~15 s for saving
@@ -517,6 +528,9 @@ def parse_args(argv=None):
                     help="share of the time spent training the vision tower alone on the auxiliary character losses "
                          "(no decoder forward: several times more pages a second) before the decoder starts; the "
                          "tower is trainable from step 0")
+    ap.add_argument("--pretrain-lr-ratio", type=float, default=1.0,
+                    help="vision-tower learning rate / --lr during the vision-only phase (the decoder is idle then, "
+                         "so the tower can take the full rate)")
     ap.add_argument("--start-difficulty", type=float, default=0.0)
     ap.add_argument("--curriculum-frac", type=float, default=0.4, help="difficulty reaches 1 at this share of time")
     ap.add_argument("--multi-frac", type=float, default=0.4, help="share of steps with 2-4 page samples")
