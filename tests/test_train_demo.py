@@ -222,3 +222,39 @@ def test_vision_only_phase_trains_the_tower_and_leaves_the_decoder_alone(tiny):
     heads.remove()
     model.zero_grad(set_to_none=True)
     model.eval()
+
+
+def test_batch_prefetcher_follows_the_plan_and_hands_errors_over():
+    from scripts.demo_data import BatchPrefetcher
+
+    class Pool:  # stands in for PagePool: numbered pages
+        def __init__(self):
+            self.n = 0
+
+        def take(self, n, wait_min=0):
+            self.n += n
+            return list(range(self.n - n, self.n))
+
+    plans = iter([(True, 1), (False, 3), (False, 2)])
+    fetch = BatchPrefetcher(Pool(), lambda: next(plans), lambda pages, n: (n, pages), pages_per_step=6)
+    assert fetch.next() == (True, 1, (1, [0, 1, 2, 3, 4, 5]))
+    assert fetch.next() == (False, 3, (3, [6, 7, 8, 9, 10, 11]))  # 2 samples of 3 pages
+    assert fetch.next() == (False, 2, (2, [12, 13, 14, 15, 16, 17]))
+    with pytest.raises(StopIteration):  # the plan ran out: the thread's error reaches the training loop
+        fetch.next()
+    fetch.close()
+
+
+def test_make_batch_decides_on_the_cpu_when_there_is_nothing_to_learn_from(tiny):
+    from scripts.train_demo_model import make_batch
+
+    _, tokenizer = tiny
+    size = dm.PRESETS["tiny"]["image_size"]
+    blank = torch.zeros(size, size, dtype=torch.uint8)
+    ids = torch.tensor(tokenizer.encode("abc", add_special_tokens=False), dtype=torch.int32)
+    no_cells = torch.full((size // 16, size // 8), -1, dtype=torch.int16)  # a scan-like page: no character grid
+    no_slots = torch.full((len(ids),), -1, dtype=torch.int16)
+    prompt = dm.prompt_ids(tokenizer, 1, dm.tokens_per_page(size))
+    *_, grids, targets = make_batch([(blank, ids, no_cells, no_slots)] * 2, 1, prompt, 11, 1, 2, "cpu",
+                                    dm.tokens_per_page(size))
+    assert grids is None and targets is None
