@@ -31,6 +31,12 @@ Invariants (those of `engine.rswa_cache` with padding counted as drafting):
    same values. So graph capture (which runs the step eagerly to warm up) at the committed length, with
    any ids, is harmless: it only writes positions ``>= length`` (invariant 3).
 5. Buffer shapes never change within a chunk; memory is ``nbytes()`` whatever the output length.
+
+``compile_step=True`` runs the body through ``torch.compile`` (inductor, no cudagraphs of its own; one compiled
+graph per (width, prefix bucket)) before the graphs capture it: the same computation with its elementwise chains
+(norms, RoPE, router, SiLU * up, residual adds) fused into fewer kernels, which is what a decode step of a few
+hundred tiny kernels is bound by on a GPU. If compiling fails, the runner logs why (``compile_error``) and runs
+the plain body.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import math
 import numpy as np
 import torch
 import torch.nn.functional as F
+from loguru import logger
 from transformers.models.unlimited_ocr.modeling_unlimited_ocr import apply_rotary_pos_emb
 
 from engine.runner import RswaRunner
@@ -59,6 +66,19 @@ def width_buckets(max_width: int) -> list[int]:
     return sorted({2**e for e in range(max_width.bit_length()) if 2**e < max_width} | {max_width})
 
 
+def compile_body(fn):
+    """``torch.compile`` of a step body: static shapes, one graph, no graph breaks. Dynamo keeps one compiled
+    graph per (width, prefix bucket) pair (ints are specialised): raise its per-function cache limit (8 by
+    default) to the number of pairs a long run can meet, so it does not silently fall back to eager."""
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    cfg.cache_size_limit = max(cfg.cache_size_limit, 256)
+    if hasattr(cfg, "accumulated_cache_size_limit"):
+        cfg.accumulated_cache_size_limit = max(cfg.accumulated_cache_size_limit, 1024)
+    return torch.compile(fn, dynamic=False, fullgraph=True)
+
+
 def bucket(value: int, buckets: list[int]) -> int:
     for b in buckets:
         if b >= value:
@@ -68,11 +88,14 @@ def bucket(value: int, buckets: list[int]) -> int:
 
 class StaticRswaRunner:
     """max_step_tokens: widest step (k_max drafts + the last committed token). moe: see `engine.static_moe`.
-    prefix_capacity: allocate for at least this many prefix tokens at the first prefill (fewer regrowths)."""
+    prefix_capacity: allocate for at least this many prefix tokens at the first prefill (fewer regrowths).
+    compile_step: run the body compiled (see the module docstring)."""
 
     def __init__(self, model, max_step_tokens: int, moe: str = "auto", prefix_capacity: int = 0,
-                 attn: str = "sdpa", capture_layers: tuple[int, ...] = ()):
+                 attn: str = "sdpa", capture_layers: tuple[int, ...] = (), compile_step: bool = False):
         self.model = model
+        self._compiled = compile_body(self.step_body) if compile_step else None
+        self.compile_error: str | None = None
         # decoder layers whose outputs every prefill and step also return (the block drafter's features); fixed
         # for the runner's life, since the graphs are captured with them
         self.capture_layers = tuple(capture_layers)
@@ -182,6 +205,21 @@ class StaticRswaRunner:
         summary = torch.stack([argmax.float(), logits.amax(dim=-1), torch.logsumexp(logits, dim=-1)], dim=1)
         return (logits, summary, torch.cat(kept, dim=-1)) if kept else (logits, summary)
 
+    def body(self, width: int, prefix_bucket: int) -> tuple[torch.Tensor, ...]:
+        """`step_body`, compiled when asked for and compiling works: what steps run and graphs capture."""
+        if self._compiled is not None:
+            try:
+                return self._compiled(width, prefix_bucket)
+            except Exception as exc:  # noqa: BLE001 - an inductor/dynamo failure: the plain body computes the same
+                self.compile_error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+                logger.warning("compiled decode step unavailable ({}); running it uncompiled", self.compile_error)
+                self._compiled = None
+        return self.step_body(width, prefix_bucket)
+
+    @property
+    def compiled(self) -> bool:
+        return self._compiled is not None
+
     def _layer(self, i: int, layer, hidden: torch.Tensor, cos, sin, step) -> torch.Tensor:
         """One decoder layer; ``step`` None = prefill (causal over the prefix), else (slots, mask, bucket)."""
         attn = layer.self_attn
@@ -253,7 +291,7 @@ class StaticRswaRunner:
         if self.graphs is not None:
             logits, summary, *features = self.graphs.replay(width, self.prefix_bucket)
         else:
-            logits, summary, *features = self.step_body(width, self.prefix_bucket)
+            logits, summary, *features = self.body(width, self.prefix_bucket)
         self.features = features[0] if features else None  # a graph's static output: read before the next step
         self._logits, self._step_tokens = logits, len(token_ids)
         rows = summary[:len(token_ids)].tolist()  # the one host sync of a step

@@ -236,11 +236,13 @@ def run_engine(decoder, images, tokens: int, clock: Clock) -> tuple[list[int], d
         "allocated_before_gb": clock.before_gb()}
 
 
-def variants(args) -> list[tuple[str, str, str]]:
-    """(row-name suffix, moe, attn): the main configuration first, then one change at a time."""
-    main_moe, main_attn = args.moe[0], args.attn[0]
-    return ([("", main_moe, main_attn)] + [(f"[{m}]", m, main_attn) for m in args.moe[1:]]
-            + [(f"[{a}]", main_moe, a) for a in args.attn[1:]])
+def variants(args) -> list[tuple[str, str, str, bool]]:
+    """(row-name suffix, moe, attn, compiled): the main configuration first, then one change at a time."""
+    main_moe, main_attn, main_compile = args.moe[0], args.attn[0], args.compile[0]
+    return ([("", main_moe, main_attn, main_compile)]
+            + [(f"[{m}]", m, main_attn, main_compile) for m in args.moe[1:]]
+            + [(f"[{a}]", main_moe, a, main_compile) for a in args.attn[1:]]
+            + [(f"[{'compiled' if c else 'uncompiled'}]", main_moe, main_attn, c) for c in args.compile[1:]])
 
 
 def bench_chunk(loaded, n_pages: int, args, clock: Clock, deadline: float, log) -> dict:
@@ -258,21 +260,23 @@ def bench_chunk(loaded, n_pages: int, args, clock: Clock, deadline: float, log) 
     kind = "single" if n_pages == 1 else "multi"
 
     decoders = {}
-    for suffix, moe, attn in variants(args):
+    for suffix, moe, attn, compile_step in variants(args):
         try:
             dec = FastDecoder(loaded, mode="lossless", k_max=args.k_max, backend=args.backend, moe=moe, attn=attn,
-                              drafter_factory=lambda *_: [])
+                              drafter_factory=lambda *_: [], compile_step=compile_step)
             t0 = time.perf_counter()
             run_engine(dec, images, 32, clock)  # warm-up; captures this prefix bucket's graphs
             chunk.setdefault("warmup_s", {})[suffix or "main"] = round(time.perf_counter() - t0, 3)
             decoders[suffix] = dec
             if dec.fallback_reason:
                 chunk["errors"][f"fallback{suffix}"] = dec.fallback_reason
+            if dec.static is not None and dec.static.compile_error:
+                chunk["errors"][f"compile{suffix}"] = dec.static.compile_error
         except Exception as exc:  # noqa: BLE001 - record and go on with the other configurations
             chunk["errors"][f"init{suffix}"] = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
     plan = []
-    for suffix, _, _ in variants(args):
+    for suffix, *_ in variants(args):
         plan.append((f"plain{suffix}", suffix, None))
         for rate in (args.rates if not suffix else [r for r in args.rates if r == 10] or args.rates[:1]):
             plan.append((f"lossless-{rate}%{suffix}", suffix, rate))
@@ -329,7 +333,7 @@ def bench_memory(loaded, args, clock: Clock, deadline: float, log) -> dict:
 
     out = {}
     dec = FastDecoder(loaded, mode="plain", k_max=args.k_max, backend=args.backend, moe=args.moe[0],
-                      attn=args.attn[0])
+                      attn=args.attn[0], compile_step=args.compile[0])
     run_engine(dec, [Page()], 32, clock)
     for tokens in args.mem_tokens:
         if time.perf_counter() > deadline:
@@ -384,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--moe", default="auto", help="comma-separated: auto,grouped,dense,gather,mixed (first = main; "
                     "auto is grouped in bf16)")
     ap.add_argument("--attn", default="sdpa", help="comma-separated decode attention: sdpa,matmul (first = main)")
+    ap.add_argument("--compile", default="off",
+                    help="comma-separated: off,on - torch.compile the decode step before graph capture (first = main)")
     ap.add_argument("--drafts-from", choices=("plain", "official"), default="plain",
                     help="token sequence the injected-error drafts are made from (default: the same variant's plain "
                          "output, which a lossless run must reproduce; 'official' = generate()'s output)")
@@ -407,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     args.rates = [int(r) for r in (args.rates or ("0,10,100" if args.quick else "0,10,30,100")).split(",")]
     args.moe = args.moe.split(",")
     args.attn = args.attn.split(",")
+    args.compile = [{"on": True, "off": False}[c] for c in args.compile.split(",")]
     args.mem_tokens = [int(t) for t in (args.mem_tokens or ("256,1024" if args.quick else "1024,8192")).split(",")]
     if args.tiny:
         torch.set_num_threads(1)
@@ -421,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
               "environment": environment(device), "model": {"name": loaded.name, **model_desc},
               "dtype": str(dtype).removeprefix("torch."), "device": device, "tokens": args.tokens,
               "k_max": args.k_max, "drafts_from": args.drafts_from, "backend": args.backend, "moe": args.moe,
-              "attn": args.attn, "rates": args.rates,
+              "attn": args.attn, "compile": args.compile, "rates": args.rates,
               "weights_gb": round(torch.cuda.memory_allocated() / 2**30, 3) if clock.cuda else None,
               "chunks": [], "memory": {}}
     try:

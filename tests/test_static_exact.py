@@ -300,3 +300,15 @@ def test_cuda_graph_replays_equal_the_same_step_run_eagerly_bf16(folders, n_page
         replay = _corrupt(eager.output_ids, vocab, "random_half")
         assert _ids(loaded, pages, 300, backend="graphs", moe=moe, attn=attn, replay_ids=replay) == \
             _ids(loaded, pages, 300, backend="static", moe=moe, attn=attn, replay_ids=replay), (moe, attn)
+
+
+def test_compiled_step_is_token_identical_to_official(models, official):
+    """`compile_step`: the step body through torch.compile (inductor's CPU backend here) gives official's tokens."""
+    try:
+        import torch._inductor  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - a torch build without inductor
+        pytest.skip(f"torch.compile unavailable: {exc}")
+    decoder = FastDecoder(models[8], mode="plain", backend="static", compile_step=True)
+    out = decoder.decode(_pages(1), 32768, LENGTHS[8])
+    assert decoder.static.compile_error is None and decoder.static.compiled and out.chunk_stats["compiled"]
+    assert out.output_ids == official(8, 1)
