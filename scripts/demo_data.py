@@ -51,6 +51,17 @@ class PageStream(torch.utils.data.IterableDataset):
                        char_tensor(grid, self.size), token_slots(enc.offsets, slots))
 
 
+def put_until_stopped(q: queue.Queue, item, stop: threading.Event) -> bool:
+    """Put into a bounded queue, waiting while it is full, unless `stop` is set first (then False)."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.5)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
 def token_slots(offsets: list[tuple[int, int]], char_slots) -> torch.Tensor:
     """int16 per token: the image slot of the token's first character that has one (`synth.doc.char_slots`),
     -1 for markup, boxes and whitespace-only tokens."""
@@ -88,13 +99,7 @@ class PagePool:
     def _pull(self):
         try:
             for item in self.it:
-                while not self.stop.is_set():
-                    try:
-                        self.q.put(item, timeout=0.5)
-                        break
-                    except queue.Full:
-                        continue
-                if self.stop.is_set():
+                if not put_until_stopped(self.q, item, self.stop):
                     return
         except BaseException as exc:  # noqa: BLE001 - a dead data worker: train on from the replay buffer
             self.error = exc
@@ -211,15 +216,9 @@ class BatchPrefetcher:
                 per = max(1, self.pages_per_step // n_pages)
                 pages = self.pool.take(per * n_pages, wait_min=wait)
                 wait = 0
-                item = (vision_only, n_pages, self.build(pages, n_pages))
-                while not self.stop.is_set():
-                    try:
-                        self.q.put(item, timeout=0.5)
-                        break
-                    except queue.Full:
-                        continue
+                put_until_stopped(self.q, (vision_only, n_pages, self.build(pages, n_pages)), self.stop)
         except BaseException as exc:  # noqa: BLE001 - handed to the training loop
-            self.q.put(exc)
+            put_until_stopped(self.q, exc, self.stop)
 
     def next(self):
         item = self.q.get()
