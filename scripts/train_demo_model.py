@@ -103,9 +103,10 @@ def vision_loss(model, pixels, pixel_dtype, aux_head, grids) -> dict:
     finally:
         aux_head.active = False
     zero = torch.zeros((), device=pixels.device)
-    if grids is None:
-        aux_head._sam_out = None
-    aux = aux_head.loss(tokens, grids) if grids is not None else zero
+    if grids is None:  # scan-like pages only: no character cells to learn from
+        aux_head._sam_out, aux = None, zero
+    else:
+        aux = aux_head.loss(tokens, grids)
     return {"loss": zero, "acc": zero, "word_acc": zero, "aux": aux, "align": zero, "align_acc": zero}
 
 
