@@ -57,7 +57,7 @@ def loss_fn(model, ids, lengths, pixels, prefix_len, window, grad_vision, pixel_
             align=None, align_targets=None, n_image_slots: int | None = None) -> dict:
     """Under the R-SWA mask: `loss` (mean cross-entropy of the output tokens, prefix and padding excluded),
     `acc` (token accuracy), `word_acc` (accuracy on tokens that show on the page, when `align_targets` say
-    which), `aux` (auxiliary character/position loss, 0 without aux_head / grids), `align` and `align_acc`
+    which), `first_acc` (the same on the first such token after markup or a space: word starts), `aux` (auxiliary character/position loss, 0 without aux_head / grids), `align` and `align_acc`
     (guided-attention loss and hit rate, 0 without `align`). `grids` / `align_targets` are None when the batch
     has no character cells / no slot targets (`make_batch` decides on the CPU, so no step waits on the GPU);
     n_image_slots (all pages' slots) spares the alignment loss a host sync."""
@@ -80,10 +80,13 @@ def loss_fn(model, ids, lengths, pixels, prefix_len, window, grad_vision, pixel_
     right = logits.argmax(-1) == targets
     out = {"loss": (loss * valid_f).sum() / valid_f.sum(), "acc": (right & valid).sum() / valid.sum()}
     zero = torch.zeros((), device=ids.device)
-    out["word_acc"] = zero
+    out["word_acc"] = out["first_acc"] = zero
     if align_targets is not None:
         words = align_targets[:, prefix_len - 1 : T - 1] >= 0
         out["word_acc"] = (right & words).sum() / words.sum().clamp(min=1)
+        # the first page character after markup or a space: no dictionary can guess it, only reading can
+        first = words & ~(align_targets[:, prefix_len - 2 : T - 2] >= 0)
+        out["first_acc"] = (right & first).sum() / first.sum().clamp(min=1)
     out["aux"] = zero
     if aux_head is not None and grids is not None:
         out["aux"] = aux_head.loss(tokens, grids)
@@ -107,7 +110,8 @@ def vision_loss(model, pixels, pixel_dtype, aux_head, grids) -> dict:
         aux_head._sam_out, aux = None, zero
     else:
         aux = aux_head.loss(tokens, grids)
-    return {"loss": zero, "acc": zero, "word_acc": zero, "aux": aux, "align": zero, "align_acc": zero}
+    return {"loss": zero, "acc": zero, "word_acc": zero, "first_acc": zero, "aux": aux, "align": zero,
+            "align_acc": zero}
 
 
 # ---------------------------------------------------------------- greedy decoding (official rule)
@@ -397,6 +401,7 @@ def train(args) -> dict:
             if now - last_log >= args.log_every:
                 means = {k: float(v) / t_n for k, v in sums.items()}
                 log("train", step=step, loss=means["loss"], tok_acc=means["acc"], word_acc=means["word_acc"],
+                    first_acc=means["first_acc"],
                     aux_loss=means["aux"], align_loss=means["align"], align_acc=means["align_acc"],
                     difficulty=difficulty.value, lr=opt.param_groups[0]["lr"], fresh=pool.fresh_used,
                     replayed=pool.replayed, steps_per_s=t_n / (now - last_log))
@@ -462,7 +467,7 @@ def evaluate(model, tokenizer, tf_pages, eval_docs, tpp, window, prompts, page_s
         res = loss_fn(model, ids, lengths, pixels, len(prompts[1]), window, False, pixel_dtype,
                       align_targets=targets)
     out = {"step": step, "heldout_loss": res["loss"].item(), "heldout_tok_acc": res["acc"].item(),
-           "heldout_word_acc": res["word_acc"].item()}
+           "heldout_word_acc": res["word_acc"].item(), "heldout_first_acc": res["first_acc"].item()}
     if greedy_pages:
         with amp():
             out.update({f"greedy_{k}": v for k, v in greedy_cer(model, tokenizer, eval_docs[:greedy_pages], tpp,

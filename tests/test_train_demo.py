@@ -159,6 +159,13 @@ def test_alignment_loss_targets_image_slots_and_trains_the_guided_heads(tiny):
     res = loss_fn(model, ids, lengths, pixels, len(prompt), 128, True, torch.float32, align=align,
                   align_targets=targets)
     assert torch.isfinite(res["align"]) and res["align"] > 0 and 0 <= res["align_acc"] <= 1
+    # with the n_image_slots hint (no host sync) the loss is over all image slots: finite, same hit targets
+    hinted = loss_fn(model, ids, lengths, pixels, len(prompt), 128, True, torch.float32, align=align,
+                     align_targets=targets, n_image_slots=2 * tpp)
+    assert torch.isfinite(hinted["align"]) and 0 <= hinted["align_acc"] <= 1
+    # word starts: page tokens whose previous token is not on the page; their accuracy is among all page tokens'
+    starts = (targets[:, len(prompt) - 1:] >= 0) & ~(targets[:, len(prompt) - 2:-1] >= 0)
+    assert 0 < starts.sum() < (targets >= 0).sum() and 0 <= res["first_acc"] <= 1
     res["align"].backward()
     q = model.model.language_model.layers[1].self_attn.q_proj.weight.grad
     hd = model.model.language_model.layers[1].self_attn.head_dim
