@@ -333,9 +333,13 @@ def train(args) -> dict:
     rng = random.Random(args.seed + step)
     last_save, error = time.time(), None
 
+    def progress() -> float:
+        """Share of the training time gone (drives the schedules)."""
+        return (time.time() - train_start) / max(1.0, train_end - train_start)
+
     def plan() -> tuple[bool, int]:
         """(vision-only step?, pages per sample) of the next batch; asked by the prefetch thread."""
-        frac = (time.time() - train_start) / max(1.0, train_end - train_start)
+        frac = progress()
         vision_only = frac < args.vision_pretrain_frac
         multi = 0.0 if vision_only else args.multi_frac * min(1.0, 0.5 + frac)
         return vision_only, (1 if rng.random() >= multi else rng.choice([2, 3, 4]))
@@ -352,7 +356,7 @@ def train(args) -> dict:
 
     try:
         while time.time() < train_end:
-            frac = (time.time() - train_start) / max(1.0, train_end - train_start)
+            frac = progress()
             difficulty.value = 1.0 if state is not None and not state.get("curriculum") else \
                 min(1.0, args.start_difficulty + (1 - args.start_difficulty) * frac / args.curriculum_frac)
             vision_only, n_pages, batch = prefetch.next()
@@ -367,12 +371,14 @@ def train(args) -> dict:
                 log("vision tower unfrozen", step=step, lr_ratio=args.vision_lr_ratio)
             ids, lengths, pixels, grids, targets = batch
             for g in opt.param_groups:
+                base = g["base"]
                 if g.get("vision"):
                     f = 0.0 if not vision_unfrozen else lr_factor(step - unfrozen_at, frac, args.vision_warmup)
-                    f *= args.pretrain_lr_ratio / args.vision_lr_ratio if vision_only else 1.0
+                    if vision_only:  # the decoder is idle: the tower takes its own rate
+                        base = args.lr * args.pretrain_lr_ratio
                 else:
                     f = lr_factor(step - (decoder_start if decoder_start is not None else step), frac, args.warmup)
-                g["lr"] = g["base"] * f
+                g["lr"] = base * f
             model.train()
             try:
                 with amp():
