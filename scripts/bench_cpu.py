@@ -1,7 +1,10 @@
 """CPU benchmark of the decode paths, side by side on the same pages, in one run.
 
 Pages: a synthetic PDF (pymupdf, with a text layer) rendered by `ingest.render.render_pages`; one chunk of
-``--pages`` pages (1 page: single prompt, else multi). Runs, each checked token for token against official:
+``--pages`` pages (1 page: single prompt, else multi). With ``--synth N``: N held-out documents of the demo
+model's generator (scripts/synth, seeds 860,000+, never trained on), each a PDF with a text layer decoded as
+``--pages``-page chunks; figures are summed over the N (issue 5's benchmark: 20 pages of the demo model).
+Runs, each checked token for token against official:
 - official         transformers generate() (engine.official)
 - plain            engine.speculative, no drafts (one token per forward)
 - lossless         reference drafter fed the PDF text layer, plus the ngram drafter
@@ -12,6 +15,7 @@ Wall time of each run includes the processor, the vision encoder and the prefill
 Prints a table, then one JSON line. Usage:
     python scripts/bench_cpu.py --model models/demo --pages 2 --max-new-tokens 512 --json bench.json
     python scripts/bench_cpu.py --tiny --pages 3 --max-new-tokens 400
+    python scripts/bench_cpu.py --model models/demo --synth 20 --max-new-tokens 1500 --json bench.json
 """
 
 from __future__ import annotations
@@ -27,6 +31,11 @@ from pathlib import Path
 
 import pymupdf
 import torch
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # scripts.synth (the demo generator) is not an installed package
+    sys.path.insert(0, str(ROOT))
 
 WORDS = ("archive register record volume folio entry parish county deed survey estate witness clerk index "
          "census ledger account total balance payment year month date name place office number page").split()
@@ -67,8 +76,25 @@ def best_of(repeat: int, run):
     return result, seconds
 
 
+SYNTH_SEED0 = 860_000  # held out (< scripts.synth.HELD_OUT_LIMIT); eval uses 800,000+, the drafter 850,000+
+
+
+def synth_jobs(n_docs: int, n_pages: int, tmp: Path) -> list[tuple[list, list[str]]]:
+    """(images, text layers) of ``n_docs`` held-out demo-generator documents of ``n_pages`` pages each."""
+    from ingest.render import render_pages
+    from scripts.synth import make_document
+
+    jobs = []
+    for k in range(n_docs):
+        pdf = tmp / f"synth{k}.pdf"
+        pdf.write_bytes(make_document(SYNTH_SEED0 + k, n_pages)[0])
+        rendered = render_pages(pdf, "pdf", 1, n_pages)
+        jobs.append(([page.image for page in rendered], [page.text_layer or "" for page in rendered]))
+    return jobs
+
+
 def run_benchmark(model_path: str, n_pages: int, max_new_tokens: int, device: str, dtype: str, k_max: int,
-                  repeat: int = 1) -> dict:
+                  repeat: int = 1, synth: int = 0) -> dict:
     from engine.model import load_model
     from engine.official import official_generate
     from engine.speculative import SpeculativeDecoder
@@ -77,54 +103,87 @@ def run_benchmark(model_path: str, n_pages: int, max_new_tokens: int, device: st
     loaded = load_model(model_path, device, dtype)
     vocab = loaded.model.config.text_config.vocab_size
     with tempfile.TemporaryDirectory() as tmp:
-        pdf = synthetic_pdf(Path(tmp) / "bench.pdf", n_pages)
-        rendered = render_pages(pdf, "pdf", 1, n_pages)
-    images = [page.image for page in rendered]
-    texts = [page.text_layer or "" for page in rendered]
+        if synth:
+            jobs = synth_jobs(synth, n_pages, Path(tmp))
+        else:
+            rendered = render_pages(synthetic_pdf(Path(tmp) / "bench.pdf", n_pages), "pdf", 1, n_pages)
+            jobs = [([page.image for page in rendered], [page.text_layer or "" for page in rendered])]
     kind = "single" if n_pages == 1 else "multi"
 
+    images = jobs[0][0]
     official_generate(loaded, images, kind, 8)  # warm-up of both paths (allocator, thread pools, kernels)
     SpeculativeDecoder(loaded, mode="lossless", k_max=k_max).generate(images, 32, replay_ids=[0] * 32)
-    official, official_seconds = best_of(repeat, partial(official_generate, loaded, images, kind, max_new_tokens))
-    reference = official.output_ids
-    results = {"official": {"tokens": len(reference), "seconds": official_seconds, "forwards": len(reference),
-                            "tau": 0.0, "exact": True, "match_prefix": len(reference)}}
-    runs = {
-        "plain": ("plain", (), {}),
-        "lossless": ("lossless", ("reference", "ngram"), {"reference_texts": texts}),
-        "lossless-replay": ("lossless", ("replay",), {"replay_ids": reference}),
-        "always-wrong": ("lossless", ("replay",), {"replay_ids": [(t + 1) % vocab for t in reference]}),
-    }
-    for name, (mode, drafters, hints) in runs.items():
-        decoder = SpeculativeDecoder(loaded, mode=mode, k_max=k_max, drafters=drafters)
-        res, seconds = best_of(repeat, partial(decoder.generate, images, max_new_tokens, **hints))
-        stats = res.extra["speculative"]
-        results[name] = {"tokens": len(res.output_ids), "seconds": seconds, "forwards": stats["forwards"],
-                         "tau": stats["tau"], "exact": res.output_ids == reference,
-                         "match_prefix": first_difference(res.output_ids, reference),
-                         "time_split": {k: stats[k] for k in ("prefill_s", "draft_s", "verify_s", "single_s")},
-                         "drafters": stats["drafters"]}
-    for row in results.values():
-        row["tokens_per_s"] = round(row["tokens"] / row["seconds"], 2)
-        row["ms_per_forward"] = round(1000 * row["seconds"] / row["forwards"], 3)
-        row["speedup"] = round(official_seconds / row["seconds"], 3)
-        row["seconds"] = round(row["seconds"], 4)
+    names = ("official", "plain", "lossless", "lossless-replay", "always-wrong")
+    totals = {name: {"tokens": 0, "seconds": 0.0, "forwards": 0, "verify_rounds": 0, "accepted_tokens": 0,
+                     "exact_jobs": 0, "match_prefix": 0, "time_split": {}, "drafters": {}} for name in names}
+    prompt_tokens = 0
+    for images, texts in tqdm(jobs, desc="documents", unit="doc", disable=len(jobs) == 1):
+        official, official_seconds = best_of(repeat, partial(official_generate, loaded, images, kind,
+                                                             max_new_tokens))
+        reference = official.output_ids
+        prompt_tokens += len(official.prompt_ids)
+        _add(totals["official"], len(reference), official_seconds, len(reference), {}, True, len(reference))
+        runs = {
+            "plain": ("plain", (), {}),
+            "lossless": ("lossless", ("reference", "ngram"), {"reference_texts": texts}),
+            "lossless-replay": ("lossless", ("replay",), {"replay_ids": reference}),
+            "always-wrong": ("lossless", ("replay",), {"replay_ids": [(t + 1) % vocab for t in reference]}),
+        }
+        for name, (mode, drafters, hints) in runs.items():
+            decoder = SpeculativeDecoder(loaded, mode=mode, k_max=k_max, drafters=drafters)
+            res, seconds = best_of(repeat, partial(decoder.generate, images, max_new_tokens, **hints))
+            _add(totals[name], len(res.output_ids), seconds, res.extra["speculative"]["forwards"],
+                 res.extra["speculative"], res.output_ids == reference, first_difference(res.output_ids, reference))
+    official_seconds = totals["official"]["seconds"]
+    results = {}
+    for name, t in totals.items():
+        results[name] = {
+            "tokens": t["tokens"], "seconds": round(t["seconds"], 4), "forwards": t["forwards"],
+            "tau": round(t["accepted_tokens"] / t["verify_rounds"], 4) if t["verify_rounds"] else 0.0,
+            "exact": t["exact_jobs"] == len(jobs), "exact_jobs": t["exact_jobs"], "match_prefix": t["match_prefix"],
+            "tokens_per_s": round(t["tokens"] / t["seconds"], 2),
+            "ms_per_forward": round(1000 * t["seconds"] / t["forwards"], 3),
+            "speedup": round(official_seconds / t["seconds"], 3)}
+        if name != "official":
+            results[name].update(time_split={k: round(v, 4) for k, v in t["time_split"].items()},
+                                 drafters=t["drafters"])
     return {"model": loaded.name, "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
-            "pages": n_pages, "prompt_tokens": len(official.prompt_ids), "max_new_tokens": max_new_tokens,
+            "pages": n_pages, "documents": len(jobs), "source": "synth" if synth else "register",
+            "prompt_tokens": prompt_tokens, "max_new_tokens": max_new_tokens,
             "k_max": k_max, "sliding_window": loaded.sliding_window, "threads": torch.get_num_threads(),
             "repeat": repeat, "results": results}
 
 
+def _add(total: dict, tokens: int, seconds: float, forwards: int, stats: dict, exact: bool, match_prefix: int) -> None:
+    """Add one document's run to the run's totals (time split and per-drafter counts summed)."""
+    total["tokens"] += tokens
+    total["seconds"] += seconds
+    total["forwards"] += forwards
+    total["verify_rounds"] += stats.get("verify_rounds", 0)
+    total["accepted_tokens"] += stats.get("accepted_tokens", 0)
+    total["exact_jobs"] += int(exact)
+    total["match_prefix"] += match_prefix
+    for key in ("prefill_s", "draft_s", "verify_s", "single_s"):
+        if key in stats:
+            total["time_split"][key] = total["time_split"].get(key, 0.0) + stats[key]
+    for drafter, counts in stats.get("drafters", {}).items():
+        mine = total["drafters"].setdefault(drafter, {})
+        for key, value in counts.items():
+            if isinstance(value, (int, float)) and key != "acceptance":
+                mine[key] = mine.get(key, 0) + value
+        mine["acceptance"] = round(mine.get("accepted", 0) / mine["proposed"], 4) if mine.get("proposed") else 0.0
+
+
 def print_table(report: dict) -> None:
     print(f"{report['model']} on {report['device']} ({report['dtype']}, {report['threads']} threads): "
-          f"{report['pages']} page(s), prompt {report['prompt_tokens']} tokens, window {report['sliding_window']}, "
+          f"{report['documents']} {report['source']} document(s) of {report['pages']} page(s), prompt {report['prompt_tokens']} tokens, window {report['sliding_window']}, "
           f"k_max {report['k_max']}")
     header = (f"{'run':<16}{'tokens':>7}{'seconds':>9}{'tok/s':>9}{'ms/fwd':>9}{'forwards':>9}{'tau':>7}"
               f"{'speedup':>9}  exact")
     print(header)
     print("-" * len(header))
     for name, r in report["results"].items():
-        exact = "yes" if r["exact"] else f"NO (first {r['match_prefix']} equal)"
+        exact = "yes" if r["exact"] else f"NO ({r['exact_jobs']}/{report['documents']} docs; {r['match_prefix']} equal)"
         print(f"{name:<16}{r['tokens']:>7}{r['seconds']:>9.2f}{r['tokens_per_s']:>9.1f}{r['ms_per_forward']:>9.2f}"
               f"{r['forwards']:>9}{r['tau']:>7.2f}{r['speedup']:>8.2f}x  {exact}")
 
@@ -135,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--model", help="model folder (or cached hub id)")
     source.add_argument("--tiny", action="store_true", help="build a tiny random model on the fly (window 128)")
     parser.add_argument("--pages", type=int, default=1)
+    parser.add_argument("--synth", type=int, default=0,
+                        help="N held-out demo-generator documents (with text layers) instead of the register page")
     parser.add_argument("--max-new-tokens", type=int, default=400)
     parser.add_argument("--k-max", type=int, default=16)
     parser.add_argument("--device", default="cpu")
@@ -152,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
 
             model_path = str(build_tiny_model(Path(tmp) / "tiny", sliding_window=128))
         report = run_benchmark(model_path, args.pages, args.max_new_tokens, args.device, args.dtype, args.k_max,
-                               args.repeat)
+                               args.repeat, args.synth)
     print_table(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
