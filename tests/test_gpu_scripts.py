@@ -54,3 +54,25 @@ def test_profile_step_refuses_without_cuda(monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", ["profile_step.py"])
     assert profile_step.main() == 2
     assert "needs CUDA" in capsys.readouterr().err
+
+
+def test_bench_cpu_synth_smoke(tmp_path, capsys):
+    """issue 5's CPU benchmark on held-out demo-generator pages: summed over documents, every run exact."""
+    from scripts import bench_cpu
+
+    path = tmp_path / "bench.json"
+    threads = torch.get_num_threads()
+    try:
+        rc = bench_cpu.main(["--tiny", "--synth", "2", "--max-new-tokens", "30", "--threads", "1",
+                             "--json", str(path)])
+    finally:
+        torch.set_num_threads(threads)
+    report = _last_json(capsys)
+    assert rc == 0 and report == json.loads(path.read_text())
+    assert report["documents"] == 2 and report["source"] == "synth"
+    runs = report["results"]
+    assert set(runs) == {"official", "plain", "lossless", "lossless-replay", "always-wrong"}
+    assert all(r["exact"] and r["exact_jobs"] == 2 and r["tokens"] == 60 for r in runs.values())
+    replay = runs["lossless-replay"]
+    assert replay["tau"] > 5 and replay["forwards"] < runs["plain"]["forwards"]
+    assert 0.9 <= replay["drafters"]["replay"]["acceptance"] <= 1.0  # a rate, not a sum of per-document rates
