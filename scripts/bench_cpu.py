@@ -176,7 +176,8 @@ def _add(total: dict, tokens: int, seconds: float, forwards: int, stats: dict, e
 
 def print_table(report: dict) -> None:
     print(f"{report['model']} on {report['device']} ({report['dtype']}, {report['threads']} threads): "
-          f"{report['documents']} {report['source']} document(s) of {report['pages']} page(s), prompt {report['prompt_tokens']} tokens, window {report['sliding_window']}, "
+          f"{report['documents']} {report['source']} document(s) of {report['pages']} page(s), "
+          f"prompt {report['prompt_tokens']} tokens, window {report['sliding_window']}, "
           f"k_max {report['k_max']}")
     header = (f"{'run':<16}{'tokens':>7}{'seconds':>9}{'tok/s':>9}{'ms/fwd':>9}{'forwards':>9}{'tau':>7}"
               f"{'speedup':>9}  exact")

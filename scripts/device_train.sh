@@ -14,8 +14,9 @@ LOG=/tmp/train.log
 SAVE=/tmp/demo
 WAIT_S=${WAIT_S:-530}
 
-pack() {
+pack() {  # an intermediate save takes < 1 s; wait out one that is being written (shards are not atomic)
     cp "$LOG" "$OUT/train.log" 2>/dev/null
+    sleep 2
     if [ -f "$SAVE/config.json" ]; then
         tar cf - -C "$SAVE" . | split -b 15M - "$OUT/demo.tar."
     fi
