@@ -14,9 +14,10 @@ LOG=/tmp/train.log
 SAVE=/tmp/demo
 WAIT_S=${WAIT_S:-530}
 
-pack() {  # an intermediate save takes < 1 s; wait out one that is being written (shards are not atomic)
+pack() {
+    # shards are written in place: while a save is running the log's last line is its "Writing model shards" bar
+    for _ in $(seq 20); do tail -n 1 "$LOG" | grep -q 'Writing model shards' || break; sleep 1; done
     cp "$LOG" "$OUT/train.log" 2>/dev/null
-    sleep 2
     if [ -f "$SAVE/config.json" ]; then
         tar cf - -C "$SAVE" . | split -b 15M - "$OUT/demo.tar."
     fi

@@ -57,8 +57,9 @@ def loss_fn(model, ids, lengths, pixels, prefix_len, window, grad_vision, pixel_
             align=None, align_targets=None, n_image_slots: int | None = None) -> dict:
     """Under the R-SWA mask: `loss` (mean cross-entropy of the output tokens, prefix and padding excluded),
     `acc` (token accuracy), `word_acc` (accuracy on tokens that show on the page, when `align_targets` say
-    which), `first_acc` (the same on the first such token after markup or a space: word starts), `aux` (auxiliary character/position loss, 0 without aux_head / grids), `align` and `align_acc`
-    (guided-attention loss and hit rate, 0 without `align`). `grids` / `align_targets` are None when the batch
+    which), `first_acc` (the same on the first such token after markup or a space: word starts), `aux`
+    (auxiliary character/position loss, 0 without aux_head / grids), `align` and `align_acc` (guided-attention
+    loss and hit rate, 0 without `align`). `grids` / `align_targets` are None when the batch
     has no character cells / no slot targets (`make_batch` decides on the CPU, so no step waits on the GPU);
     n_image_slots (all pages' slots) spares the alignment loss a host sync."""
     T = ids.shape[1]
