@@ -39,7 +39,7 @@ case "${1:-}" in
 start)
     shift
     mkdir -p /tmp/site /tmp/wip
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .dev/*.whl || exit 2
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .dev/*.whl || exit 2
     tar xJf .dev/tf.tar.xz -C /tmp/site && tar xJf .dev/wip.tar.xz -C /tmp/wip || exit 2
     cp -r . /tmp/repo
     (cd /tmp/repo && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 setsid nohup python3 scripts/train_demo_model.py \
