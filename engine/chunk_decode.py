@@ -231,11 +231,13 @@ class OfficialDecoder:
 
 
 def load_decoder(path: str, device: str = "auto", dtype: str = "auto", mode: str = "official",
-                 fast_threshold: float | None = None) -> ChunkDecoder:
+                 fast_threshold: float | None = None, compile_step: bool = False) -> ChunkDecoder:
     """official: transformers generate(); plain / lossless: the speculative engine (token-identical), on CUDA
     graphs over static buffers when the model is on a GPU (`engine.fast_decoder`; any failure there falls back
     to the eager engine, logged), eager on the CPU; fast: relaxed acceptance at ``fast_threshold`` (eager).
-    lossless and fast also draft with the checkpoint's block drafter when it has one (`load_block_drafter`)."""
+    lossless and fast also draft with the checkpoint's block drafter when it has one (`load_block_drafter`).
+    compile_step: ``torch.compile`` the GPU decode step before its graphs are captured (plain / lossless on CUDA;
+    no effect elsewhere)."""
     from engine.fast_decoder import FastDecoder
     from engine.model import load_model
     from engine.speculative import MODES
@@ -247,7 +249,7 @@ def load_decoder(path: str, device: str = "auto", dtype: str = "auto", mode: str
         return OfficialDecoder(loaded)
     extra = {"fast_threshold": fast_threshold} if fast_threshold is not None else {}
     net = load_block_drafter(loaded) if mode != "plain" else None
-    return FastDecoder(loaded, mode=mode, block_net=net, **extra)
+    return FastDecoder(loaded, mode=mode, block_net=net, compile_step=compile_step, **extra)
 
 
 def load_block_drafter(loaded):

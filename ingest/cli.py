@@ -88,8 +88,8 @@ def _make_worker(settings: Settings, db, **kw):  # noqa: ANN001, ANN202
     from ingest.worker import Worker
 
     m, e = settings.model, settings.engine
-    return Worker(settings, db, lambda: load_decoder(settings.model_path, m.device, m.dtype, e.mode, e.fast_threshold),
-                  **kw)
+    return Worker(settings, db, lambda: load_decoder(settings.model_path, m.device, m.dtype, e.mode, e.fast_threshold,
+                                                     e.compile_step), **kw)
 
 
 def cmd_watch(settings: Settings, args: argparse.Namespace) -> int:

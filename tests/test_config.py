@@ -1,4 +1,6 @@
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +25,14 @@ def test_environment_overrides_file(tmp_path, monkeypatch):
     assert s.watch.settle_seconds == 7.5
     assert s.worker.max_attempts == 9
     assert s.watch.rescan_seconds == 2.0  # the rest of the section still comes from the file
+
+
+def test_shipped_config_toml_loads(monkeypatch):
+    """The repository's own config.toml is valid (every key it names exists) and keeps the safe defaults."""
+    for key in [k for k in os.environ if k.startswith("UFLASH_")]:
+        monkeypatch.delenv(key)
+    s = load_settings(Path(__file__).resolve().parents[1] / "config.toml")
+    assert s.engine.mode == "lossless" and s.engine.compile_step is False
 
 
 @pytest.mark.parametrize(

@@ -256,6 +256,9 @@ def test_load_decoder_modes(models):
     assert isinstance(load_decoder(path, "cpu", "float32", mode="lossless"), SpeculativeDecoder)
     fast = load_decoder(path, "cpu", "float32", mode="fast", fast_threshold=0.5)
     assert fast.mode == "fast" and fast.describe()["fast_threshold"] == 0.5
+    # engine.compile_step reaches the decoder; on the CPU the eager engine runs, with nothing to compile
+    compiled = load_decoder(path, "cpu", "float32", mode="plain", compile_step=True)
+    assert compiled.backend == "eager" and compiled.static is None
     with pytest.raises(ValueError):
         load_decoder(path, "cpu", "float32", mode="turbo")
 
