@@ -8,7 +8,8 @@ Per page, official ``generate()`` (engine.official) then, on the same model:
 - ``replay-10%``: replay drafter fed the official ids with 10% of them wrong.
 fp32 (``--pages``): every run must be token-identical to official. bf16 (``--bf16-pages``): the token match
 rate against official, per run: pages identical, and the mean share of tokens before the first difference
-(batched bf16 kernels can flip near-ties; after a flip the two outputs legitimately diverge).
+(batched bf16 kernels can flip near-ties; after a flip the two outputs legitimately diverge). The bf16 row
+``official-vs-fp32`` is the baseline: official bf16 against official fp32 on the pages both ran.
 
 Prints a table; the last line is one JSON object (also written to ``--json``). Exit status 1 when an fp32
 run differs from official. Usage:
@@ -35,6 +36,7 @@ if str(ROOT) not in sys.path:
 
 HELD_OUT_LIMIT = 1_000_000
 RUNS = ("plain", "lossless", "replay-10%")
+BASELINE = "official-vs-fp32"  # bf16 only: official bf16 against official fp32 on the same page
 
 
 def held_out_pages(n: int, seed0: int) -> list[tuple[int, object, str]]:
@@ -58,7 +60,10 @@ def first_difference(ids: list[int], reference: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(zip(ids, reference)) if a != b), min(len(ids), len(reference)))
 
 
-def check(model_path: str, dtype: str, pages, args, deadline: float, log) -> dict:
+def check(model_path: str, dtype: str, pages, args, deadline: float, log, fp32_ids: dict | None = None) -> dict:
+    """One dtype's runs. ``fp32_ids`` (seed -> official fp32 output), given for bf16, adds the baseline row
+    ``official-vs-fp32``: how far bf16 official itself follows fp32 official (the precision's own share of the
+    difference). Official outputs land in ``out["official_ids"]`` (dropped from the report)."""
     from engine.fast_decoder import FastDecoder
     from engine.model import load_model
     from engine.official import official_generate
@@ -78,6 +83,7 @@ def check(model_path: str, dtype: str, pages, args, deadline: float, log) -> dic
            "moe": decoders["plain"].moe, "official_experts": official_experts or "model default",
            "fallback": {k: d.fallback_reason for k, d in decoders.items() if d.fallback_reason}}
     seconds = {name: 0.0 for name in ("official", *RUNS)}
+    out["official_ids"] = {}
     for seed, image, text in pages:
         if time.perf_counter() > deadline:
             out.setdefault("skipped_seeds", []).append(seed)
@@ -85,9 +91,14 @@ def check(model_path: str, dtype: str, pages, args, deadline: float, log) -> dic
         t0 = time.perf_counter()
         reference = official_generate(loaded, [image], "single", args.max_new_tokens).output_ids
         seconds["official"] += time.perf_counter() - t0
+        out["official_ids"][seed] = reference
         rng = random.Random(seed)
         replay = [(t + 1 + rng.randrange(vocab - 1)) % vocab if rng.random() < 0.1 else t for t in reference]
         row = {"seed": seed, "tokens": len(reference)}
+        if fp32_ids and seed in fp32_ids:
+            base = fp32_ids[seed]
+            row[BASELINE] = {"identical": reference == base, "prefix": first_difference(reference, base),
+                             "tokens": len(base)}
         for name, dec in decoders.items():
             t0 = time.perf_counter()
             try:
@@ -105,6 +116,12 @@ def check(model_path: str, dtype: str, pages, args, deadline: float, log) -> dic
         log(f"  {dtype} seed {seed}: {len(reference)} tokens; "
             + ", ".join(f"{n} {'=' if row[n].get('identical') else 'DIFF'}" for n in RUNS))
     summary = {}
+    base_rows = [p[BASELINE] for p in out["pages"] if BASELINE in p]
+    if base_rows:
+        summary[BASELINE] = {"pages": len(base_rows), "errors": 0, "identical": sum(r["identical"] for r in base_rows),
+                             "token_match_rate": round(sum(r["prefix"] for r in base_rows)
+                                                       / max(1, sum(r["tokens"] for r in base_rows)), 5),
+                             "mean_tau": 0.0, "speedup_vs_official": None}
     for name in RUNS:
         rows = [p[name] for p in out["pages"] if "error" not in p[name]]
         summary[name] = {
@@ -164,10 +181,15 @@ def main(argv: list[str] | None = None) -> int:
         report["model"] = model_path if args.model else "tiny-random"
         pages = held_out_pages(max(args.pages, args.bf16_pages), args.seed0)
         log(f"{len(pages)} held-out pages rendered")
+        fp32_ids: dict = {}
         for dtype, n in (("float32", args.pages), ("bfloat16", args.bf16_pages)):
             if n:
                 try:
-                    report["runs"][dtype] = check(model_path, dtype, pages[:n], args, deadline, log)
+                    run = check(model_path, dtype, pages[:n], args, deadline, log, fp32_ids)
+                    if dtype == "float32":
+                        fp32_ids = run["official_ids"]
+                    del run["official_ids"]
+                    report["runs"][dtype] = run
                 except Exception as exc:  # noqa: BLE001 - keep the other dtype's result
                     report["runs"][dtype] = {"error": f"{type(exc).__name__}: {exc}"}
                     traceback.print_exc()
@@ -177,14 +199,15 @@ def main(argv: list[str] | None = None) -> int:
     report["wall_s"] = round(time.perf_counter() - t_start, 1)
 
     print(f"\n{report['model']} on {report['gpu'] or report['device']} (backend {args.backend}, moe {args.moe})")
-    print(f"{'dtype':<10}{'run':<12}{'pages':>6}{'identical':>10}{'token match':>12}{'tau':>7}{'x official':>11}")
+    print(f"{'dtype':<10}{'run':<18}{'pages':>6}{'identical':>10}{'token match':>12}{'tau':>7}{'x official':>11}")
     for dtype, run in report["runs"].items():
         if "error" in run:
             print(f"{dtype:<10}ERROR {run['error'][:200]}")
             continue
         for name, s in run["summary"].items():
-            print(f"{dtype:<10}{name:<12}{s['pages']:>6}{s['identical']:>10}{s['token_match_rate']:>12.4f}"
-                  f"{s['mean_tau']:>7.2f}{(s['speedup_vs_official'] or 0):>10.2f}x")
+            speed = f"{s['speedup_vs_official']:.2f}x" if s["speedup_vs_official"] else "-"
+            print(f"{dtype:<10}{name:<18}{s['pages']:>6}{s['identical']:>10}{s['token_match_rate']:>12.4f}"
+                  f"{s['mean_tau']:>7.2f}{speed:>11}")
         if run.get("fallback"):
             print(f"{dtype:<10}fallback: {run['fallback']}")
     print(f"fp32 token-identical on every page and run: {report['fp32_exact']}")
