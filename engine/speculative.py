@@ -32,6 +32,7 @@ from typing import Any
 from engine.chunk_decode import ChunkOutput, assemble, describe_model, free_device_memory, no_room, token_budget
 from engine.drafters import Drafter
 from engine.drafters.block import BlockDrafter, BlockDrafterNet
+from engine.drafters.markup import MarkupDrafter
 from engine.drafters.ngram import NgramDrafter
 from engine.drafters.policy import DraftPolicy
 from engine.drafters.suffix_match import ReferenceDrafter, ReplayDrafter
@@ -43,7 +44,7 @@ from engine.verify import token_logprob, verify_round
 
 MODES = ("plain", "lossless", "fast")
 DEFAULT_FAST_THRESHOLD = 0.3
-DRAFTERS = ("reference", "replay", "ngram", "block")
+DRAFTERS = ("reference", "replay", "markup", "ngram", "block")
 SHARED_STATS = ("verify_rounds", "single_steps", "draft_tokens", "accepted_tokens", "relaxed_tokens",
                 "prefill_s", "draft_s", "verify_s", "single_s")
 
@@ -71,8 +72,8 @@ class SpeculativeDecoder:
 
     k_max: most draft tokens per verify round (the ring holds window + k_max slots).
     drafters: names, in priority order, used in lossless mode: ``reference`` (needs reference_texts),
-    ``replay`` (needs replay_ids), ``ngram`` (always available), ``block`` (needs ``block_net``, a trained
-    `BlockDrafterNet` for this target; the runner then keeps the features it needs on every forward).
+    ``replay`` (needs replay_ids), ``markup`` (box-header punctuation), ``ngram`` (always available), ``block``
+    (needs ``block_net``, a trained `BlockDrafterNet` for this target; the runner then keeps the features it needs on every forward).
     """
 
     def __init__(self, loaded: LoadedModel, mode: str = "lossless", k_max: int = 16,
@@ -182,6 +183,8 @@ class SpeculativeDecoder:
                 drafters.append(ReferenceDrafter(self.loaded.tokenizer, reference_texts, separator))
             elif name == "replay" and replay_ids:
                 drafters.append(ReplayDrafter(replay_ids))
+            elif name == "markup":
+                drafters.append(MarkupDrafter(self.loaded.tokenizer))
             elif name == "ngram":
                 drafters.append(NgramDrafter())
             elif name == "block" and self.block_net is not None:

@@ -237,7 +237,7 @@ def test_decode_returns_chunk_output_with_stats(models, official):
     assert stats["tokens"] == stats["output_tokens"] == len(expected)
     assert stats["verify_rounds"] + stats["single_steps"] + 1 == stats["forwards"] < len(expected) // 4
     assert stats["drafters"]["replay"]["acceptance"] == 1.0 and set(stats["drafters"]) == {"reference", "replay",
-                                                                                           "ngram"}
+                                                                                           "markup", "ngram"}
     assert stats["tau"] == stats["accepted_tokens"] / stats["verify_rounds"] > 4
     assert all(stats[key] >= 0 for key in ["prefill_s", "draft_s", "verify_s", "single_s"])
     for page in out.pages:

@@ -17,6 +17,8 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import defaultdict
 
+RESUME_WINDOW = 4  # reference: a header closed this recently may resume the text at the reading front
+
 
 class SuffixMatchDrafter:
     name = "suffix_match"
@@ -56,6 +58,11 @@ class SuffixMatchDrafter:
 
 
 class ReferenceDrafter(SuffixMatchDrafter):
+    """The source has the page's words but none of the output's box headers (``<|det|>label [..]<|/det|>``), so
+    around a header the suffix match has nothing to hold on to. Inside a header it proposes nothing (the `markup`
+    drafter's part); right after one it resumes at its reading front (the furthest source position it has been
+    aligned to), past line breaks and spaces: the next element's text."""
+
     name = "reference"
 
     def __init__(self, tokenizer, texts: list[str], page_separator: str | None = None, **ngram_sizes):
@@ -65,6 +72,56 @@ class ReferenceDrafter(SuffixMatchDrafter):
                 ids += tokenizer(page_separator, add_special_tokens=False)["input_ids"]
             ids += tokenizer(text, add_special_tokens=False)["input_ids"]
         super().__init__(ids, start_aligned=False, **ngram_sizes)
+        open_id, close_id = (tokenizer.convert_tokens_to_ids(t) for t in ("<|det|>", "<|/det|>"))
+        known = all(isinstance(i, int) and i != tokenizer.unk_token_id for i in (open_id, close_id))
+        self._open, self._close = (open_id, close_id) if known else (None, None)
+        self._blank = {i for i in set(ids) if not tokenizer.decode([i]).strip()}
+        self._front = 0
+
+    def propose(self, committed_ids: list[int], k: int) -> list[int]:
+        self._advance_front(committed_ids)
+        if self._open is not None and committed_ids:
+            resumed = self._resume_after_header(committed_ids)
+            if resumed is not None:
+                self._alignment = (len(committed_ids), resumed)
+                return self.source[resumed : resumed + k]
+            if self._in_header(committed_ids):
+                return []
+        return super().propose(committed_ids, k)
+
+    def _resume_after_header(self, committed: list[int]) -> int | None:
+        """Source position to go on from when a header closed in the last few tokens and what followed it is the
+        source at the front (past blanks); None otherwise."""
+        tail = committed[-RESUME_WINDOW:]
+        if self._close not in tail:
+            return None
+        after = tail[len(tail) - tail[::-1].index(self._close):]
+        position = self._front
+        while position < len(self.source) and self.source[position] in self._blank:
+            position += 1
+        if self.source[position : position + len(after)] != after:
+            return None
+        return position + len(after)
+
+    def _advance_front(self, committed: list[int]) -> None:
+        """Move the front past the source tokens the output has followed since the last proposal."""
+        if self._alignment is None:
+            return
+        length, position = self._alignment
+        matched = 0
+        for token, expected in zip(committed[length:], self.source[position:]):
+            if token != expected:
+                break
+            matched += 1
+        self._front = max(self._front, position + matched)
+
+    def _in_header(self, ids: list[int]) -> bool:
+        for i in range(len(ids) - 1, max(-1, len(ids) - 64), -1):
+            if ids[i] == self._close:
+                return False
+            if ids[i] == self._open:
+                return True
+        return False
 
 
 class ReplayDrafter(SuffixMatchDrafter):

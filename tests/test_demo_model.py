@@ -1,0 +1,90 @@
+"""The shipped demo model (models/demo) through the engine: exactness on real box markup, and the drafters that
+follow it. Skips cleanly when the folder is absent (a checkout without the weights)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pymupdf
+import pytest
+import torch
+
+from engine.drafters.markup import MarkupDrafter
+from engine.drafters.suffix_match import ReferenceDrafter
+
+DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
+SEEDS = range(880_000, 880_010)  # held out: below the generator's training seeds (>= 1,000,000)
+MAX_NEW_TOKENS = 400  # > 3x the 128-token window
+
+pytestmark = pytest.mark.skipif(not (DEMO / "config.json").is_file(), reason="models/demo is not in this checkout")
+
+
+@pytest.fixture(scope="module")
+def demo():
+    from engine.model import load_model
+
+    torch.manual_seed(0)
+    return load_model(str(DEMO), "cpu", "float32")
+
+
+def ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_markup_drafter_drafts_header_punctuation(demo):
+    tok = demo.tokenizer
+    drafter = MarkupDrafter(tok)
+    earlier = ids(tok, "<|det|>sub_title [1, 2, 3, 4]<|/det|>Intro\n")
+    header = ids(tok, "<|det|>sub_title [130, 206, 460, 277]<|/det|>")
+
+    def after(text: str) -> list[int]:
+        return drafter.propose(earlier + ids(tok, text), 16)
+
+    assert drafter.propose(earlier, 8) == []  # in text: not its part
+    assert after("<|det|>") == ids(tok, "sub_title [")  # the label the output used last
+    assert after("<|det|>ti") == ids(tok, "tle [")  # a common label it can still be
+    assert after("<|det|>sub_title [") == []  # a coordinate comes next
+    assert after("<|det|>sub_title [130") == ids(tok, ", ")
+    assert after("<|det|>sub_title [130,") == ids(tok, " ")
+    assert after("<|det|>sub_title [130, 206, 460, 277") == ids(tok, "]") + [tok.convert_tokens_to_ids("<|/det|>")]
+    assert after("<|det|>sub_title [130, 206, 460, 277]") == [tok.convert_tokens_to_ids("<|/det|>")]
+    assert drafter.propose(earlier + header, 8) == []  # the header is closed: text follows
+    assert after("<|det|>sub_title [130") == ids(tok, ", ")  # any k, any order of calls
+
+
+def test_reference_resumes_after_a_header_and_stays_out_of_it(demo):
+    tok = demo.tokenizer
+    layer = "First block line\nSecond block here"
+    reference = ReferenceDrafter(tok, [layer])
+    first = ids(tok, "<|det|>text [1, 2, 3, 4]<|/det|>First block line\n")
+    assert reference.propose(first, 4) != []
+    second_header = ids(tok, "<|det|>text [5, 6, 7, 8]")
+    assert reference.propose(first + second_header, 4) == []  # inside a header: nothing from the page's words
+    closed = first + second_header + ids(tok, "]<|/det|>")
+    assert reference.propose(closed, 6) == ids(tok, "Second block here")[:6]  # the next element's text
+    assert reference.propose(closed + ids(tok, "Se"), 4) == ids(tok, "Second block here")[2:6]
+
+
+def test_demo_model_plain_and_lossless_equal_official_on_10_pages(demo):
+    """Issue 5: on the demo model, 10 held-out synthetic pages (text layer as the reference), fp32, CPU:
+    plain and lossless (reference + markup + ngram) emit official generate()'s tokens exactly."""
+    from engine.official import official_generate
+    from engine.speculative import SpeculativeDecoder
+    from scripts.synth import make_document, render_pages
+
+    plain = SpeculativeDecoder(demo, mode="plain")
+    lossless = SpeculativeDecoder(demo, mode="lossless", drafters=("reference", "markup", "ngram"))
+    accepted = {"reference": 0, "markup": 0}
+    for seed in SEEDS:
+        pdf, _labels = make_document(seed, 1)
+        with pymupdf.open(stream=pdf, filetype="pdf") as doc:
+            layer = doc[0].get_text()
+        image = render_pages(pdf)[0]
+        expected = official_generate(demo, [image], "single", MAX_NEW_TOKENS).output_ids
+        assert len(expected) > 128
+        assert plain.generate([image], MAX_NEW_TOKENS).output_ids == expected, seed
+        res = lossless.generate([image], MAX_NEW_TOKENS, reference_texts=[layer])
+        assert res.output_ids == expected, seed
+        for name in accepted:
+            accepted[name] += res.extra["speculative"]["drafters"].get(name, {}).get("accepted", 0)
+    assert accepted["reference"] > 0 and accepted["markup"] > 0, accepted
