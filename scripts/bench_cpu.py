@@ -7,7 +7,7 @@ model's generator (scripts/synth, seeds 860,000+, never trained on), each a PDF 
 Runs, each checked token for token against official:
 - official         transformers generate() (engine.official)
 - plain            engine.speculative, no drafts (one token per forward)
-- lossless         reference drafter fed the PDF text layer, plus the ngram drafter
+- lossless         reference drafter fed the PDF text layer, plus the markup and ngram drafters (the default set)
 - lossless-replay  replay drafter fed the official output ids (a re-run of the same pages)
 - always-wrong     replay drafter fed the official ids shifted by one (every draft token rejected)
 Wall time of each run includes the processor, the vision encoder and the prefill (best of ``--repeat``).
@@ -125,7 +125,7 @@ def run_benchmark(model_path: str, n_pages: int, max_new_tokens: int, device: st
         _add(totals["official"], len(reference), official_seconds, len(reference), {}, True, len(reference))
         runs = {
             "plain": ("plain", (), {}),
-            "lossless": ("lossless", ("reference", "ngram"), {"reference_texts": texts}),
+            "lossless": ("lossless", ("reference", "markup", "ngram"), {"reference_texts": texts}),
             "lossless-replay": ("lossless", ("replay",), {"replay_ids": reference}),
             "always-wrong": ("lossless", ("replay",), {"replay_ids": [(t + 1) % vocab for t in reference]}),
         }

@@ -4,7 +4,7 @@ Pages: held-out synthetic documents (``scripts.synth.make_document(seed, 1)``, s
 1,000,000, never used in training), rendered with ``render_pages`` like the project's renderer.
 Per page, official ``generate()`` (engine.official) then, on the same model:
 - ``plain``: `FastDecoder` with no drafts;
-- ``lossless``: reference drafter fed the page's PDF text layer, plus the ngram drafter (the real setting);
+- ``lossless``: reference drafter fed the page's PDF text layer, plus the markup and ngram drafters (the real setting);
 - ``replay-10%``: replay drafter fed the official ids with 10% of them wrong.
 fp32 (``--pages``): every run must be token-identical to official. bf16 (``--bf16-pages``): the token match
 rate against official, per run: pages identical, and the mean share of tokens before the first difference
@@ -75,7 +75,7 @@ def check(model_path: str, dtype: str, pages, args, deadline: float, log, fp32_i
     decoders = {
         "plain": FastDecoder(loaded, mode="plain", backend=args.backend, moe=args.moe, attn=args.attn),
         "lossless": FastDecoder(loaded, mode="lossless", backend=args.backend, moe=args.moe, attn=args.attn,
-                                drafters=("reference", "ngram")),
+                                drafters=("reference", "markup", "ngram")),
         "replay-10%": FastDecoder(loaded, mode="lossless", backend=args.backend, moe=args.moe, attn=args.attn,
                                   drafters=("replay",)),
     }
