@@ -73,7 +73,8 @@ class SpeculativeDecoder:
     k_max: most draft tokens per verify round (the ring holds window + k_max slots).
     drafters: names, in priority order, used in lossless mode: ``reference`` (needs reference_texts),
     ``replay`` (needs replay_ids), ``markup`` (box-header punctuation), ``ngram`` (always available), ``block``
-    (needs ``block_net``, a trained `BlockDrafterNet` for this target; the runner then keeps the features it needs on every forward).
+    (needs ``block_net``, a trained `BlockDrafterNet` for this target; the runner then keeps the features it
+    needs on every forward).
     """
 
     def __init__(self, loaded: LoadedModel, mode: str = "lossless", k_max: int = 16,
