@@ -65,13 +65,33 @@ def select_pages(db: Database, grade: str | None = None, doc_id: int | None = No
 
 def plan_chunks(db: Database, picked: list[Page]) -> list[tuple[int, int, int, int | None]]:
     """(document_id, first, last, source chunk id): the picked pages grouped by the chunk that produced them,
-    one contiguous run of picked pages per new chunk."""
+    one contiguous run of picked pages per new chunk. A chunk that was split (its output reached the context
+    limit or ran out of memory, and its remaining pages went to child chunks) counts as its first, unsplit range:
+    when every page of that range is picked, the re-run decodes the whole range again, which splits the same way
+    (same prompt, same mode) and so reproduces the first pass; its own pages alone would be another prompt."""
     with db.session() as s:
-        ranges = {c.id: (c.first_page, c.last_page) for c in s.scalars(
-            select(Chunk).where(Chunk.id.in_({p.chunk_id for p in picked if p.chunk_id is not None})))}
+        chunks: dict[int, tuple[int, int, int | None]] = {}  # id -> (first, last, parent id)
+        wanted = {p.chunk_id for p in picked if p.chunk_id is not None}
+        while wanted:
+            rows = s.execute(select(Chunk.id, Chunk.first_page, Chunk.last_page, Chunk.parent_id)
+                             .where(Chunk.id.in_(wanted))).all()
+            chunks.update({r.id: (r.first_page, r.last_page, r.parent_id) for r in rows})
+            wanted = {r.parent_id for r in rows if r.parent_id is not None} - set(chunks)
+    chosen = {(p.document_id, p.page_index) for p in picked}
+
+    def source(doc_id: int, chunk_id: int | None) -> int | None:
+        """The topmost ancestor whose whole range is picked, else the chunk itself."""
+        best, current = chunk_id, chunk_id
+        while current is not None and current in chunks:
+            first, last, parent = chunks[current]
+            if all((doc_id, i) in chosen for i in range(first, last + 1)):
+                best = current
+            current = parent
+        return best
+
     groups: dict[tuple[int, int | None], list[int]] = {}
     for p in picked:
-        groups.setdefault((p.document_id, p.chunk_id), []).append(p.page_index)
+        groups.setdefault((p.document_id, source(p.document_id, p.chunk_id)), []).append(p.page_index)
     plan = []
     for (doc_id, chunk_id), indexes in sorted(groups.items(), key=lambda kv: (kv[0][0], min(kv[1]))):
         indexes.sort()

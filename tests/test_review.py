@@ -319,3 +319,30 @@ def test_rerun_plans_chunks_from_the_pages_picked(db):
     assert taken is not None and taken.chunk_id == reserved
     with pytest.raises(UsageError):
         parse_pages("7-3")
+
+
+def test_rerun_of_a_split_chunk_decodes_its_first_range_again(db):
+    """A chunk split at the context limit (pages 1-3 from chunk 1-4, page 4 from its child chunk): re-running all
+    of 1-4 decodes 1-4 as one chunk again (the first pass's prompt), not 1-3 and 4 apart; a subset stays apart."""
+    from ingest.rerun import parse_pages, plan_chunks, select_pages
+
+    with db.engine.begin() as conn:
+        doc = conn.execute(Document.__table__.insert().values(
+            sha256="b" * 64, original_path="/y.pdf", original_name="y.pdf", size_bytes=1, mtime_ns=1, kind="pdf",
+            page_count=6, status="done")).inserted_primary_key[0]
+        run = conn.execute(Run.__table__.insert().values(mode="fast", model="m", engine_version="0")).inserted_primary_key[0]
+
+        def chunk(a, b, status="done", parent=None):
+            return conn.execute(Chunk.__table__.insert().values(document_id=doc, first_page=a, last_page=b,
+                                                                status=status, parent_id=parent)).inserted_primary_key[0]
+
+        split = chunk(1, 4, status="split")
+        child = chunk(4, 4, parent=split)
+        rest = chunk(5, 6)
+        producer = {1: split, 2: split, 3: split, 4: child, 5: rest, 6: rest}
+        conn.execute(Page.__table__.insert(), [
+            dict(document_id=doc, run_id=run, chunk_id=c, page_index=i, text=f"p{i}", boxes=[],
+                 stats={"quality": {"grade": "poor"}}) for i, c in producer.items()])
+    assert plan_chunks(db, select_pages(db, doc_id=doc)) == [(doc, 1, 4, split), (doc, 5, 6, rest)]
+    assert plan_chunks(db, select_pages(db, doc_id=doc, pages=parse_pages("2-4"))) == [(doc, 2, 3, split),
+                                                                                        (doc, 4, 4, child)]
