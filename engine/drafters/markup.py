@@ -23,6 +23,17 @@ COMMON_LABELS = ("text", "title", "sub_title")  # guessed (in this order) until 
 _BOX = re.compile(r"^(?P<label>[^\[\]<]*?)\s*\[(?P<box>[\d, ]*)(?P<end>\]?)$")
 
 
+def open_header(ids: list[int], open_id: int, close_id: int, lookback: int = 64) -> int | None:
+    """Index of the ``<|det|>`` of the header ``ids`` ends inside (opened, not yet closed, within the last
+    ``lookback`` tokens), or None."""
+    for i in range(len(ids) - 1, max(-1, len(ids) - lookback), -1):
+        if ids[i] == close_id:
+            return None
+        if ids[i] == open_id:
+            return i
+    return None
+
+
 class MarkupDrafter:
     name = "markup"
 
@@ -47,13 +58,7 @@ class MarkupDrafter:
         return self._continuation(tail)[:k]
 
     def _open_header(self, ids: list[int]) -> int | None:
-        """Index of the ``<|det|>`` of the header the output is inside, or None (not in a header)."""
-        for i in range(len(ids) - 1, max(-1, len(ids) - 64), -1):
-            if ids[i] == self.close_id:
-                return None
-            if ids[i] == self.open_id:
-                return i
-        return None
+        return open_header(ids, self.open_id, self.close_id)
 
     def _continuation(self, tail: str) -> list[int]:
         match = _BOX.match(tail)

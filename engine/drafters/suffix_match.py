@@ -17,6 +17,8 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import defaultdict
 
+from engine.drafters.markup import open_header
+
 RESUME_WINDOW = 4  # reference: a header closed this recently may resume the text at the reading front
 
 
@@ -85,7 +87,7 @@ class ReferenceDrafter(SuffixMatchDrafter):
             if resumed is not None:
                 self._alignment = (len(committed_ids), resumed)
                 return self.source[resumed : resumed + k]
-            if self._in_header(committed_ids):
+            if open_header(committed_ids, self._open, self._close) is not None:
                 return []
         return super().propose(committed_ids, k)
 
@@ -115,13 +117,6 @@ class ReferenceDrafter(SuffixMatchDrafter):
             matched += 1
         self._front = max(self._front, position + matched)
 
-    def _in_header(self, ids: list[int]) -> bool:
-        for i in range(len(ids) - 1, max(-1, len(ids) - 64), -1):
-            if ids[i] == self._close:
-                return False
-            if ids[i] == self._open:
-                return True
-        return False
 
 
 class ReplayDrafter(SuffixMatchDrafter):
