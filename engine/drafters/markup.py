@@ -51,14 +51,11 @@ class MarkupDrafter:
         if not self.usable or not committed_ids:
             return []
         self._collect_labels(committed_ids)
-        start = self._open_header(committed_ids)
+        start = open_header(committed_ids, self.open_id, self.close_id)
         if start is None:
             return []
         tail = self.tokenizer.decode(committed_ids[start + 1:], skip_special_tokens=False)
         return self._continuation(tail)[:k]
-
-    def _open_header(self, ids: list[int]) -> int | None:
-        return open_header(ids, self.open_id, self.close_id)
 
     def _continuation(self, tail: str) -> list[int]:
         match = _BOX.match(tail)
@@ -81,8 +78,10 @@ class MarkupDrafter:
         for i in range(self._scanned, len(ids)):
             if ids[i] != self.close_id:
                 continue
-            start = self._open_header(ids[:i])
+            window = max(0, i - 64)  # the header's <|det|> is within open_header's lookback: no copy of the output
+            start = open_header(ids[window:i], self.open_id, self.close_id)
             if start is not None:
+                start += window
                 match = _BOX.match(self.tokenizer.decode(ids[start + 1:i], skip_special_tokens=False))
                 label = match["label"] if match else None
                 if label:
