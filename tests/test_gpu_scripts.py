@@ -76,3 +76,18 @@ def test_bench_cpu_synth_smoke(tmp_path, capsys):
     replay = runs["lossless-replay"]
     assert replay["tau"] > 5 and replay["forwards"] < runs["plain"]["forwards"]
     assert 0.9 <= replay["drafters"]["replay"]["acceptance"] <= 1.0  # a rate, not a sum of per-document rates
+
+
+def test_bench_engine_planted_chain_keeps_bf16_drafts_aligned(capsys):
+    """``--plant``: a wide-margin successor chain, so in bf16 a width-17 verify and single steps pick the same
+    tokens: lossless with exact drafts equals plain and accepts whole drafts (tau 16 per round)."""
+    threads = torch.get_num_threads()
+    try:
+        rc = bench_engine.main(["--tiny", "--quick", "--tokens", "200", "--rates", "0", "--dtype", "bf16",
+                                "--plant", "30", "--mem-tokens", "20"])
+    finally:
+        torch.set_num_threads(threads)
+    report = _last_json(capsys)
+    assert rc == 0 and report["model"]["planted_chain_scale"] == 30
+    runs = report["chunks"][0]["runs"]
+    assert runs["lossless-0%"]["equal_to_plain"] and runs["lossless-0%"]["tau"] >= 15
