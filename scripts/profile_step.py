@@ -1,11 +1,14 @@
-"""Where a plain decode step's time goes on the GPU (issue 6): full-size random bf16 model, 1 page.
+"""Where a decode step's time goes on the GPU (issue 6): full-size random bf16 model, a chunk of ``--pages``.
 
 Times, per step: (a) graph replays back to back, one sync at the end (GPU time of the step body);
 (b) ``runner.step`` (stage ids + replay + the one host sync); (c) a whole plain decode (b + the decode loop:
 no-repeat rule, drafter policy, bookkeeping). a vs b is the launch/sync gap, b vs c the Python loop.
-Then the top CUDA kernels of 20 replays (torch.profiler). Ends with one JSON line.
+Then the top CUDA kernels of 20 replays at width 1 and at the widest verify (torch.profiler). One record per
+(moe, attn) pair; ``--pages 16`` puts ~4.4K prefix keys under every query, where the decode attention's kernel
+choice shows. Ends with one JSON line.
 
     python scripts/profile_step.py --moe auto,mixed --json OUT.json
+    python scripts/profile_step.py --pages 16 --moe mixed --attn sdpa,matmul --json OUT.json
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ from scripts.bench_engine import Clock, Page, build_model, run_engine  # noqa: E
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--moe", default="auto")
+    ap.add_argument("--attn", default="auto", help="comma-separated decode attention: auto,sdpa,matmul")
+    ap.add_argument("--pages", type=int, default=1, help="pages in the chunk (prefix = 273 tokens per page + prompt)")
+    ap.add_argument("--compile", action="store_true", help="compile the step body (slow to start: ~25 s per width)")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -38,13 +44,17 @@ def main() -> int:
 
     loaded, desc = build_model(False, "cuda", torch.bfloat16)
     clock = Clock("cuda")
-    record = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": desc, "runs": {}}
-    for moe in args.moe.split(","):
-        dec = FastDecoder(loaded, mode="plain", k_max=16, backend="graphs", moe=moe, drafter_factory=lambda *_: [])
-        _, row = run_engine(dec, [Page()], 512, clock)  # warm-up, captures graphs
-        _, row = run_engine(dec, [Page()], 512, clock)
+    record = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": desc, "pages": args.pages,
+              "compile": args.compile, "runs": {}}
+    pages = [Page() for _ in range(args.pages)]
+    for moe, attn in [(m, a) for m in args.moe.split(",") for a in args.attn.split(",")]:
+        dec = FastDecoder(loaded, mode="plain", k_max=16, backend="graphs", moe=moe, attn=attn,
+                          compile_step=args.compile, drafter_factory=lambda *_: [])
+        _, row = run_engine(dec, pages, 512, clock)  # warm-up, captures graphs
+        _, row = run_engine(dec, pages, 512, clock)
         runner = dec.static
-        rec = {"decode_ms_per_token": round(1000 * row["seconds"] / row["tokens"], 3)}
+        rec = {"prefix_len": runner.prefix_len, "prefix_bucket": runner.prefix_bucket,
+               "decode_ms_per_token": round(1000 * (row["seconds"] - row["time_split"]["prefill_s"]) / row["tokens"], 3)}
         for width in (1, 2, 4, 8, 17):
             w = bucket(width, runner.widths)
             runner.step([5] * width)  # stages ids/positions in the static inputs; replays below reuse them
@@ -60,15 +70,17 @@ def main() -> int:
             runner.step([5])
             runner.commit(0)
         rec["runner_step_ms_w1"] = round(1000 * (time.perf_counter() - t0) / args.steps, 3)
-        w = bucket(1, runner.widths)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(20):
-                runner.graphs.replay(w, runner.prefix_bucket)
-            torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
-        print(f"--- moe {moe}: top kernels of 20 width-1 replays\n{table}")
-        record["runs"][moe] = rec
-        print(moe, rec, flush=True)
+        for width in (1, runner.max_width):
+            runner.step([5] * width)
+            runner.commit(0)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(20):
+                    runner.graphs.replay(width, runner.prefix_bucket)
+                torch.cuda.synchronize()
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12)
+            print(f"--- moe {moe}, attn {attn}: top kernels of 20 width-{width} replays\n{table}")
+        record["runs"][f"{moe}/{attn}"] = rec
+        print(moe, attn, rec, flush=True)
     line = json.dumps(record)
     if args.json:
         Path(args.json).write_text(line + "\n")
