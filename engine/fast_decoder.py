@@ -41,7 +41,7 @@ DrafterFactory = Callable[[str, "list[str] | None", "list[int] | None"], list[Dr
 
 class FastDecoder(SpeculativeDecoder):
     """moe: routed-expert implementation of the static step (`engine.static_moe`); attn: its attention
-    (``sdpa`` or ``matmul``, see `engine.static_runner`); compile_step: ``torch.compile`` the step before the
+    (``auto``, ``sdpa`` or ``matmul``, see `engine.static_runner`); compile_step: ``torch.compile`` the step before the
     graphs capture it (fewer, fused kernels; `engine.static_runner`).
     drafter_factory: (prompt kind, reference_texts, replay_ids) -> drafters, replacing the named ones
     (benchmarks use it to feed drafts of a controlled quality). prefix_capacity: see StaticRswaRunner.
@@ -49,7 +49,7 @@ class FastDecoder(SpeculativeDecoder):
 
     def __init__(self, loaded: LoadedModel, mode: str = "lossless", k_max: int = 16,
                  drafters: tuple[str, ...] = DRAFTERS, backend: str = "auto", moe: str = "auto",
-                 drafter_factory: DrafterFactory | None = None, prefix_capacity: int = 0, attn: str = "sdpa",
+                 drafter_factory: DrafterFactory | None = None, prefix_capacity: int = 0, attn: str = "auto",
                  compile_step: bool = False, **engine_options):
         super().__init__(loaded, mode=mode, k_max=k_max, drafters=drafters, **engine_options)
         if backend not in BACKENDS:

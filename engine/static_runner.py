@@ -52,7 +52,12 @@ from transformers.models.unlimited_ocr.modeling_unlimited_ocr import apply_rotar
 from engine.runner import RswaRunner
 from engine.static_moe import experts_forward, resolve
 
-ATTN_IMPLS = ("sdpa", "matmul")  # decode-step attention: torch SDPA with a mask, or matmul + fp32 softmax
+# decode-step attention: torch SDPA with a mask, matmul + fp32 softmax, or ``auto`` = SDPA for a single-token
+# step and matmul for a verify of >= 2 tokens. Measured on the H200 at full size over a 16-page prefix (4,374
+# keys; docs/results/profile_step_16p_h200_2026-12-04.json, uncompiled replays): SDPA 2.41 ms at width 1 but
+# 3.90-4.14 ms at widths 2-17 (the masked multi-query path runs one block per head over all keys), matmul 2.57 ms
+# at width 1 and 3.00-3.22 ms at widths 2-17.
+ATTN_IMPLS = ("sdpa", "matmul", "auto")
 EMPTY = -(2**62)  # tag of a ring slot never written in this chunk: outside every window
 ALIGN = 16
 # prefix lengths a graph is kept for (steps of 128, 512, 1024): attention reads few slots it does not need
@@ -92,7 +97,7 @@ class StaticRswaRunner:
     compile_step: run the body compiled (see the module docstring)."""
 
     def __init__(self, model, max_step_tokens: int, moe: str = "auto", prefix_capacity: int = 0,
-                 attn: str = "sdpa", capture_layers: tuple[int, ...] = (), compile_step: bool = False):
+                 attn: str = "auto", capture_layers: tuple[int, ...] = (), compile_step: bool = False):
         self.model = model
         self._compiled = compile_body(self.step_body) if compile_step else None
         self.compile_error: str | None = None
@@ -255,7 +260,7 @@ class StaticRswaRunner:
         if self.groups > 1:
             keys = keys.repeat_interleave(self.groups, dim=1)
             values = values.repeat_interleave(self.groups, dim=1)
-        if mask is not None and self.attn == "matmul":
+        if mask is not None and (self.attn == "matmul" or (self.attn == "auto" and q.shape[2] > 1)):
             # as transformers' eager attention: scores in the model dtype, softmax in fp32. For 1-17 queries
             # over thousands of keys this is two batched GEMVs that spread over the whole key range, where a
             # fused kernel may run one block per (head, query tile)

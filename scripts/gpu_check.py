@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default=None, help="graphs (CUDA default) | static (CPU default) | auto | eager")
     ap.add_argument("--moe", default="auto",
                     help="auto (grouped in bf16, gather in fp32 on CUDA) | grouped | gather | dense")
-    ap.add_argument("--attn", default="sdpa", help="decode attention of the static step: sdpa | matmul")
+    ap.add_argument("--attn", default="auto", help="decode attention of the static step: auto | sdpa | matmul")
     ap.add_argument("--budget-s", type=float, default=540.0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)

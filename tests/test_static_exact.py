@@ -121,13 +121,15 @@ def test_other_moe_implementations(models, official, moe, n_pages):
     assert _ids(loaded, pages, LENGTHS[8], moe=moe, replay_ids=_corrupt(expected, vocab, "random_half")) == expected
 
 
+@pytest.mark.parametrize("attn", ["matmul", "auto"])
 @pytest.mark.parametrize("n_pages", [1, 3])
-def test_matmul_attention(models, official, n_pages):
+def test_other_attention(models, official, n_pages, attn):
+    """``matmul`` everywhere, and ``auto`` (SDPA at width 1, matmul for verify widths >= 2) in one decode."""
     loaded, pages, expected = models[128], _pages(n_pages), official(128, n_pages)
     vocab = loaded.model.config.text_config.vocab_size
-    assert _ids(loaded, pages, LENGTHS[128], mode="plain", attn="matmul") == expected
+    assert _ids(loaded, pages, LENGTHS[128], mode="plain", attn=attn) == expected
     replay = _corrupt(expected, vocab, "random_half")
-    assert _ids(loaded, pages, LENGTHS[128], attn="matmul", replay_ids=replay) == expected
+    assert _ids(loaded, pages, LENGTHS[128], attn=attn, replay_ids=replay) == expected
 
 
 @pytest.mark.parametrize("k_max", [1, 3, 32])
