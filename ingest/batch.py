@@ -69,7 +69,7 @@ def run_batch(settings: Settings, db: Database, paths: list[Path], make_worker: 
             print(f"pending {d.original_name}: {d.status} (stopped before it finished)")
             code = code or 130
     for f, why in rejected:
-        print(f"refused {f.name}: {why} (moved to {settings.failed})")
+        print(f"refused {f.name}: {why} (see {settings.failed})")
         code = 4
     if stop.is_set() and code == 0:
         code = 130

@@ -64,6 +64,24 @@ def move_file(src: Path, folder: Path) -> Path:
     return dest
 
 
+def is_inside(path: Path, folder: Path) -> bool:
+    try:
+        return Path(path).resolve().is_relative_to(Path(folder).resolve())
+    except OSError:
+        return False
+
+
+def file_away(src: Path, folder: Path, inbox: Path) -> Path:
+    """Put ``src`` into ``folder`` under a name not taken there: moved when it came through the inbox (what is
+    dropped there is uflash's to take), copied when the user named it elsewhere (``uflash run PATH``): uflash
+    never moves or deletes a file outside its inbox."""
+    if is_inside(src, inbox):
+        return move_file(src, folder)
+    dest = unique_destination(folder, src.name)
+    shutil.copy2(str(src), str(dest))
+    return dest
+
+
 def write_atomic(path: Path, data: str | bytes) -> None:
     """Write to a temp file in the same folder, fsync, then rename over the target."""
     path.parent.mkdir(parents=True, exist_ok=True)

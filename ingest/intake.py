@@ -1,5 +1,6 @@
-"""Take one complete file from the inbox into the ledger: a document (with its chunks), a duplicate,
-or a rejected file moved to ``failed/`` beside ``<name>.error.txt``. Idempotent by content SHA-256."""
+"""Take one complete file into the ledger: a document (with its chunks), a duplicate, or a rejected file put in
+``failed/`` beside ``<name>.error.txt``. Idempotent by content SHA-256. Files from the inbox are moved; a file
+named from elsewhere (``uflash run PATH``) is copied and stays where it is (`ingest.files.file_away`)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from db.session import Database
 from engine.chunking import ChunkPlan, plan_chunks
 from ingest.config import Settings
 from ingest.errors import InputRejected
-from ingest.files import move_file, sha256_file, write_atomic
+from ingest.files import file_away, is_inside, move_file, sha256_file, write_atomic
 from ingest.probe import Probed, probe_file
 
 CHARS_PER_TOKEN = 2.0  # rough: markup and boxes add tokens beyond the plain characters
@@ -61,7 +62,7 @@ def known_document(db: Database, path: Path, size: int, mtime_ns: int) -> int | 
 
 def reject(db: Database, settings: Settings, path: Path, reason: str, sha: str | None = None) -> IntakeResult:
     size = path.stat().st_size if path.exists() else 0
-    dest = move_file(path, settings.failed)
+    dest = file_away(path, settings.failed, settings.inbox)
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
     write_atomic(dest.with_name(dest.name + ".error.txt"),
                  f"file: {path}\nrejected: {stamp}\nreason: {reason}\nsha256: {sha or '-'}\n")
@@ -72,11 +73,12 @@ def reject(db: Database, settings: Settings, path: Path, reason: str, sha: str |
 
 
 def _duplicate(db: Database, settings: Settings, path: Path, st, doc_id: int) -> IntakeResult:  # noqa: ANN001
-    dest = move_file(path, settings.archive / "duplicates")
+    # a duplicate from the inbox is moved aside; one named elsewhere stays there and is only recorded
+    dest = move_file(path, settings.archive / "duplicates") if is_inside(path, settings.inbox) else None
     with db.session() as s, s.begin():
         s.add(Duplicate(document_id=doc_id, path=str(path), name=path.name, size_bytes=st.st_size,
-                        mtime_ns=st.st_mtime_ns, moved_to=str(dest)))
-    logger.info("duplicate {} of document {} -> {}", path.name, doc_id, dest)
+                        mtime_ns=st.st_mtime_ns, moved_to=str(dest) if dest else None))
+    logger.info("duplicate {} of document {} -> {}", path.name, doc_id, dest or "left in place")
     return IntakeResult("duplicate", document_id=doc_id, moved_to=dest)
 
 

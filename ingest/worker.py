@@ -36,7 +36,7 @@ from engine.model import ModelLoadError, ModelNotFound
 from engine.quality import grade_document, page_quality
 from ingest.config import Settings
 from ingest.errors import UflashError
-from ingest.files import move_file
+from ingest.files import file_away
 from ingest.outputs import output_folder, page_markdown, write_document_outputs
 from ingest.render import render_pages
 
@@ -299,7 +299,7 @@ class Worker:
         if doc.archived_path and Path(doc.archived_path).exists():
             archived = Path(doc.archived_path)  # archived by an earlier pass (this is a re-run)
         elif src.exists():
-            archived = move_file(src, self.settings.archive)
+            archived = file_away(src, self.settings.archive, self.settings.inbox)
         else:
             error = f"original was no longer at {src} when archiving"
         with self.db.engine.begin() as conn:

@@ -89,3 +89,19 @@ def test_real_world_samples(settings):
                 probe_file(p, settings.watch.max_page_pixels)
         elif p.suffix.lower() in (".pdf", ".png"):
             assert probe_file(p, settings.watch.max_page_pixels).page_count >= 1, p.name
+
+
+def test_files_named_outside_the_inbox_are_copied_never_moved(settings, db, tmp_path):
+    shelf = tmp_path / "shelf"
+    shelf.mkdir()
+    empty = shelf / "empty.pdf"
+    empty.write_bytes(b"")
+    r = intake_file(db, settings, empty)
+    assert r.outcome == "rejected" and empty.exists(), "a refused file outside the inbox stays where it is"
+    assert r.moved_to.parent == settings.failed and r.moved_to.exists()
+    a = make_pdf(shelf / "a.pdf", ["same words"])
+    assert intake_file(db, settings, a).outcome == "document" and a.exists()
+    b = shelf / "b.pdf"
+    shutil.copyfile(a, b)
+    dup = intake_file(db, settings, b)
+    assert dup.outcome == "duplicate" and dup.moved_to is None and b.exists()

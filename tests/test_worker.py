@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 from sqlalchemy import func, select
 
-from db.models import Chunk, ChunkStatus, Document, Page
+from db.models import Chunk, ChunkStatus, Document, Duplicate, Page
 from db.session import Database
 from engine.chunk_decode import OfficialDecoder, assemble
 from engine.model import load_model
@@ -70,6 +70,32 @@ def test_uflash_run_end_to_end(tmp_path, tiny_model_dir):
         planned = [(c.first_page, c.last_page) for c in seven.chunks if c.parent_id is None]
         assert planned == [(1, 4), (5, 7)]
     assert [n for _, n in pages_in_db(db, seven.id)] == [1] * 7
+
+
+def test_run_on_a_file_outside_the_inbox_leaves_it_in_place(tmp_path, tiny_model_dir):
+    """`uflash run PATH` copies a file named outside the inbox into the archive and leaves the original where the
+    user keeps it; running the same command again finds the document done and decodes nothing."""
+    cfg = worker_config(tmp_path, tiny_model_dir)
+    s = load_settings(cfg)
+    s.ensure_folders()
+    shelf = tmp_path / "shelf"
+    shelf.mkdir()
+    pdf = make_pdf(shelf / "letter.pdf", ["Dear archivist.", "Yours."])
+    original = pdf.read_bytes()
+    for attempt in (1, 2):
+        r = uflash("--config", str(cfg), "run", str(pdf), timeout=600)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "done    letter.pdf: 2 pages" in r.stdout, attempt
+        assert pdf.read_bytes() == original, "the user's file stays where it was, unchanged"
+    assert [p.name for p in s.archive.iterdir() if p.is_file()] == ["letter.pdf"]
+    assert (s.archive / "letter.pdf").read_bytes() == original
+    db = Database(s.database_url)
+    with db.session() as ss:
+        (doc,) = ss.scalars(select(Document)).all()
+        assert doc.archived_path == str(s.archive / "letter.pdf")
+        (dup,) = ss.scalars(select(Duplicate)).all()  # the second run: recorded, left in place, not decoded again
+        assert dup.document_id == doc.id and dup.moved_to is None
+    assert [n for _, n in pages_in_db(db, doc.id)] == [1, 1]
 
 
 def test_worker_decode_equals_generate(tmp_path, tiny_model_dir):
