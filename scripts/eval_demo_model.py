@@ -8,6 +8,9 @@
    how many pages ended at the token limit instead of EOS.
 2. 4-page chunks: `Multi page parsing.`; is every page separated (`<PAGE>` count == 4), CER per page.
 3. plain office print: 16 pt Helvetica paragraphs on an A4 page made with pymupdf (insert_textbox).
+4. single sentences (``--sentences N`` of each set), one 20 pt Helvetica text element on a page: ``sent-list``
+   from the generator's own vocabulary, ``sent-open`` plain English whose words are mostly outside it; the gap
+   between the two is how much the model reads versus recalls its training words.
 Pages are rendered like the project renders PDFs (longer side 1024 px) and decoded with
 `engine.official.official_generate`. Prints a table, then one JSON line.
 """
@@ -64,6 +67,42 @@ def office_pdf(k: int) -> tuple[bytes, str]:
     return data, text
 
 
+# Plain English sentences, most of whose words are NOT in the generator's word list (scripts/synth/words.txt): the
+# "open" sentence set measures reading beyond the training vocabulary.
+OPEN_SENTENCES = [
+    "The quick brown fox jumps over the lazy dog near the river bank.",
+    "Minutes of the town council meeting held on the third of March.",
+    "Please return the signed lease to the landlord before Friday noon.",
+    "Grandmother baked bread and plum cake for the harvest festival.",
+    "Rain flooded the cellar, so the parish ledgers were moved upstairs.",
+    "Our neighbour sold his tractor, two cows and a wooden cart.",
+]
+
+
+def sentence_pdf(text: str) -> bytes:
+    """One sentence as a generator-style text element (20 pt Helvetica, A4) on an otherwise empty page."""
+    import pymupdf
+
+    from scripts.synth.doc import _place, _wrap_words, draw_page
+
+    doc = pymupdf.open()
+    page = doc.new_page(width=595, height=842)
+    draw_page(page, [_place("text", _wrap_words(text, "helv", 20.0, 475), "helv", 20.0, 60, 80, 26.0)])
+    data = doc.tobytes()
+    doc.close()
+    return data
+
+
+def list_sentences(n: int, seed: int) -> list[str]:
+    """Sentences of the generator itself (its word list, numbers, codes), for the in-vocabulary sentence set."""
+    import random
+
+    from scripts.synth.text import sentence
+
+    rng = random.Random(seed)
+    return [sentence(rng, rng.randint(7, 11)) for _ in range(n)]
+
+
 def _ensure_loguru() -> None:
     """engine.model logs with loguru; on a machine without it (the GPU image) use a print-based stand-in."""
     try:
@@ -107,6 +146,9 @@ def main(argv=None) -> int:
     ap.add_argument("--pages", type=int, default=50, help="held-out single pages")
     ap.add_argument("--chunks", type=int, default=10, help="held-out 4-page chunks")
     ap.add_argument("--office", type=int, default=1, help="office-print pages (16 pt Helvetica)")
+    ap.add_argument("--sentences", type=int, default=6,
+                    help=f"single-sentence pages of each set: generator vocabulary, and open English (<= "
+                         f"{len(OPEN_SENTENCES)})")
     ap.add_argument("--seed0", type=int, default=800_000, help="first held-out seed (< 1,000,000)")
     ap.add_argument("--max-new-tokens", type=int, default=1500, help="per page")
     ap.add_argument("--json", help="also write the full record (all rows) here")
@@ -154,15 +196,23 @@ def main(argv=None) -> int:
         if args.verbose:
             print(f"--- office {k} cer {sc.rows[-1]['cer']:.3f}\n{res.text}\n", flush=True)
 
-    summary = {kind: sc.summary(kind) for kind in ("page", "chunk", "office")}
+    for kind, texts in (("sent-list", list_sentences(args.sentences, args.seed0 + 20_000)),
+                        ("sent-open", OPEN_SENTENCES[: args.sentences])):
+        for text in texts:
+            res = official_generate(loaded, render_pages(sentence_pdf(text), RENDER_PX), "single", 200)
+            sc.add(kind, text, res.text.strip(), text, res.finish_reason, len(res.output_ids), res.seconds)
+            if args.verbose:
+                print(f"--- {kind} cer {sc.rows[-1]['cer']:.3f}\n{text}\n{res.text}\n", flush=True)
+
+    summary = {kind: sc.summary(kind) for kind in ("page", "chunk", "office", "sent-list", "sent-open")}
     if summary["chunk"]:
         summary["chunk"]["separated"] = f"{chunk_ok}/{args.chunks}"
     print(f"\nmodel {loaded.path} on {loaded.device} ({loaded.dtype}), {time.time() - t0:.0f}s")
-    print(f"{'set':<8} {'n':>4} {'CER mean':>9} {'CER total':>10} {'hit limit':>9} {'tokens':>7} {'s/page':>7}  extra")
+    print(f"{'set':<9} {'n':>4} {'CER mean':>9} {'CER total':>10} {'hit limit':>9} {'tokens':>7} {'s/page':>7}  extra")
     for kind, s in summary.items():
         if s:
             extra = f"pages separated {s['separated']}" if kind == "chunk" else ""
-            print(f"{kind:<8} {s['n']:>4} {s['cer_mean']:>9.4f} {s['cer_total']:>10.4f} {s['length_limit']:>9} "
+            print(f"{kind:<9} {s['n']:>4} {s['cer_mean']:>9.4f} {s['cer_total']:>10.4f} {s['length_limit']:>9} "
                   f"{s['tokens_mean']:>7.0f} {s['seconds_mean']:>7.2f}  {extra}")
     record = {"model": loaded.path, "device": str(loaded.device), "dtype": str(loaded.dtype), **summary}
     if args.json:

@@ -111,3 +111,14 @@ def test_character_grid_marks_every_visible_character():
     assert 0.8 * visible <= (grid > 0).sum() <= visible  # a few share a cell
     (_, _, none), = page_arrays(5, 1, 1024, scan_prob=1.0, chars=True)
     assert none is None  # scan-like pages (rotated) have no grid
+
+
+def test_eval_sentence_pages_carry_their_sentence():
+    """scripts/eval_demo_model.py's sentence sets: the rendered page holds exactly the sentence it is scored on."""
+    import pymupdf
+
+    from scripts.eval_demo_model import OPEN_SENTENCES, list_sentences, sentence_pdf
+
+    for text in [OPEN_SENTENCES[0], *list_sentences(2, 820_000)]:
+        with pymupdf.open(stream=sentence_pdf(text)) as doc:
+            assert " ".join(doc[0].get_text().split()) == text
