@@ -122,3 +122,23 @@ def test_eval_sentence_pages_carry_their_sentence():
     for text in [OPEN_SENTENCES[0], *list_sentences(2, 820_000)]:
         with pymupdf.open(stream=sentence_pdf(text)) as doc:
             assert " ".join(doc[0].get_text().split()) == text
+
+
+def test_open_words_put_pseudo_words_on_the_page():
+    """``open_words``: that share of words becomes pseudo-words outside the word list, deterministically by seed,
+    in the labels and in the text layer alike; 0 leaves every document as it was."""
+    from scripts.synth.text import word_table
+
+    listed = {w.lower() for w in word_table()[0]}
+    assert layout_labels(4321, 2, open_words=0.0) == layout_labels(4321, 2)
+    pdf, labels = make_document(4321, 2, open_words=0.3)
+    assert (pdf, labels) == make_document(4321, 2, open_words=0.3)
+    assert layout_labels(4321, 2, open_words=0.3) == labels
+    words = [w.lower() for w in re.findall(r"[A-Za-z]{3,}", strip_markup(" ".join(labels)))]
+    unlisted = sum(w not in listed for w in words) / len(words)
+    assert 0.15 < unlisted < 0.45, unlisted
+    with pymupdf.open(stream=pdf, filetype="pdf") as doc:
+        layer = " ".join(" ".join(page.get_text().split()) for page in doc)
+    assert all(w in layer.lower() for w in words if w not in listed)
+    with pytest.raises(ValueError):
+        make_document(1, 1, open_words=1.5)

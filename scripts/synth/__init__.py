@@ -31,18 +31,21 @@ def _page_rng(seed: int, index: int) -> random.Random:
     return random.Random((seed << 8) + index)
 
 
-def build_pages(seed: int, n_pages: int, difficulty: float = 1.0,
-                kind: str = "document") -> tuple[pymupdf.Document, list[str]]:
+def build_pages(seed: int, n_pages: int, difficulty: float = 1.0, kind: str = "document",
+                open_words: float = 0.0) -> tuple[pymupdf.Document, list[str]]:
     """An in-memory pymupdf document with a text layer, and the label of each page.
-    kind="words": one title of 1-3 big words a page (over-fit tests)."""
-    doc, labels, _, _ = _build(seed, n_pages, difficulty, kind)
+    kind="words": one title of 1-3 big words a page (over-fit tests). open_words: share of words replaced by
+    pseudo-words that no word list holds (`text.pseudo_word`); 0 keeps every seed's document as it was."""
+    doc, labels, _, _ = _build(seed, n_pages, difficulty, kind, open_words)
     return doc, labels
 
 
-def _build(seed: int, n_pages: int, difficulty: float, kind: str):
+def _build(seed: int, n_pages: int, difficulty: float, kind: str, open_words: float = 0.0):
     if not 1 <= n_pages < 256:
         raise ValueError(f"n_pages must be in 1..255, not {n_pages}")
-    style = make_style(random.Random(seed), difficulty)
+    if not 0.0 <= open_words <= 1.0:
+        raise ValueError(f"open_words must be in [0, 1], not {open_words}")
+    style = make_style(random.Random(seed), difficulty, open_words)
     doc = pymupdf.open()
     labels, layouts = [], []
     for i in range(n_pages):
@@ -54,17 +57,17 @@ def _build(seed: int, n_pages: int, difficulty: float, kind: str):
     return doc, labels, layouts, style.page
 
 
-def layout_labels(seed: int, n_pages: int = 1, difficulty: float = 1.0) -> list[str]:
-    """The labels of `build_pages(seed, n_pages, difficulty)` without drawing anything (fast)."""
-    style = make_style(random.Random(seed), difficulty)
+def layout_labels(seed: int, n_pages: int = 1, difficulty: float = 1.0, open_words: float = 0.0) -> list[str]:
+    """The labels of `build_pages(seed, n_pages, difficulty, open_words=...)` without drawing anything (fast)."""
+    style = make_style(random.Random(seed), difficulty, open_words)
     return [page_label(layout_page(_page_rng(seed, i), style, i, n_pages, difficulty), style.page)
             for i in range(n_pages)]
 
 
 def make_document(seed: int, n_pages: int = 1, scan: bool = False, difficulty: float = 1.0,
-                  kind: str = "document") -> tuple[bytes, list[str]]:
+                  kind: str = "document", open_words: float = 0.0) -> tuple[bytes, list[str]]:
     """(PDF bytes, one label string per page). scan=True: image-only pages, no text layer."""
-    doc, labels = build_pages(seed, n_pages, difficulty, kind)
+    doc, labels = build_pages(seed, n_pages, difficulty, kind, open_words)
     if scan:
         out = pymupdf.open()
         for i, page in enumerate(doc):
@@ -89,12 +92,13 @@ def render_pages(pdf_bytes: bytes, size: int = 1024) -> list[Image.Image]:
 
 
 def page_arrays(seed: int, n_pages: int, size: int, scan_prob: float = 0.0, difficulty: float = 1.0,
-                kind: str = "document", chars: bool = False, slots: bool = False) -> list[tuple]:
+                kind: str = "document", chars: bool = False, slots: bool = False,
+                open_words: float = 0.0) -> list[tuple]:
     """Fast path for training: each page's base-mode square (uint8, one channel) and its label; with
     chars=True also its character grid (`doc.char_grid`; None for scan-like pages, whose slight rotation
     moves the characters); with slots=True also, per label character, the vision token showing it
     (`doc.char_slots`, -1 for markup)."""
-    doc, labels, layouts, page_size = _build(seed, n_pages, difficulty, kind)
+    doc, labels, layouts, page_size = _build(seed, n_pages, difficulty, kind, open_words)
     out = []
     for i, page in enumerate(doc):
         arr = render_long_side(page, size)

@@ -95,10 +95,13 @@ class Style:
     numbered: str
     chinese: float  # probability that a text block is Chinese
     density: tuple[int, int]  # characters per page range
+    open_words: float = 0.0  # share of words replaced by pseudo-words (`text.pseudo_word`)
 
 
-def make_style(rng: random.Random, difficulty: float = 1.0) -> Style:
-    """Document-wide style. difficulty < 1 (curriculum): bigger type, fewer characters, simpler layout."""
+def make_style(rng: random.Random, difficulty: float = 1.0, open_words: float = 0.0) -> Style:
+    """Document-wide style. difficulty < 1 (curriculum): bigger type, fewer characters, simpler layout.
+    open_words: share of body, list, heading and title words replaced by pseudo-words (draws no random numbers
+    when 0)."""
     d = max(0.0, min(1.0, difficulty))
     family = rng.choices(list(FAMILIES), weights=[4, 3, 2, 1])[0]
     lo = 15 + 6 * (1 - d)
@@ -108,7 +111,8 @@ def make_style(rng: random.Random, difficulty: float = 1.0) -> Style:
         family=family, body=body, line_gap=rng.uniform(1.15, 1.5), page=rng.choice(PAGE_SIZES),
         margin=rng.uniform(40, 80), two_columns=0.3 * d, header=T.phrase(rng, 1, 4) if rng.random() < 0.45 else None,
         footer_kind=rng.randrange(5), bullet=rng.choice(["•", "•", "-", "*"]), numbered=rng.choice(["1.", "1)", "(1)"]),
-        chinese=rng.choice([0.0, 0.0, 0.05, 0.1, 0.3]), density=(max(60, hi_chars // 3), hi_chars))
+        chinese=rng.choice([0.0, 0.0, 0.05, 0.1, 0.3]), density=(max(60, hi_chars // 3), hi_chars),
+        open_words=open_words)
 
 
 def _wrap_words(text: str, font_name: str, size: float, max_w: float) -> list[str]:
@@ -168,7 +172,7 @@ class PageBuilder:
             size = s.body
             rows = _wrap_chars(T.chinese(rng, max(12, n_chars // 3)), CJK, size, w)
             return _place("text", rows, CJK, size, x, y, size * s.line_gap)
-        rows = _wrap_words(T.paragraph(rng, n_chars), self.regular, s.body, w)
+        rows = _wrap_words(T.paragraph(rng, n_chars, s.open_words), self.regular, s.body, w)
         return _place("text", rows, self.regular, s.body, x, y, s.body * s.line_gap)
 
     def sub_title(self, x, y, w, _n) -> Element:
@@ -176,7 +180,7 @@ class PageBuilder:
         if self.rng.random() < self.s.chinese:
             return _place("sub_title", _wrap_chars(T.chinese(self.rng, 6).rstrip("。"), CJK, size, w), CJK, size, x, y,
                           size * 1.2)
-        txt = T.phrase(self.rng, 1, 6)
+        txt = T.phrase(self.rng, 1, 6, self.s.open_words)
         if self.rng.random() < 0.4:
             txt = f"{self.rng.randint(1, 12)}.{self.rng.randint(1, 9)} {txt}"
         return _place("sub_title", _wrap_words(txt, self.bold, size, w), self.bold, size, x, y, size * 1.2)
@@ -188,7 +192,7 @@ class PageBuilder:
         rows, indent = [], []
         for i in range(n_items):
             mark = s.numbered.replace("1", str(i + 1)) if numbered else s.bullet
-            body = T.sentence(rng, rng.randint(2, max(3, n_chars // (7 * n_items))))
+            body = T.sentence(rng, rng.randint(2, max(3, n_chars // (7 * n_items))), s.open_words)
             hang = width(self.regular, mark + " ", s.body)
             wrapped = _wrap_words(body, self.regular, s.body, w - hang)
             rows.append(f"{mark} {wrapped[0]}")
@@ -247,7 +251,7 @@ class PageBuilder:
                 rows = _wrap_chars(T.chinese(rng, rng.randint(4, 12)).rstrip("。"), CJK, size, right - left)
                 el = _place("title", rows, CJK, size, left, y, size * 1.2, align=align, col_w=right - left)
             else:
-                rows = _wrap_words(T.phrase(rng, 2, 8), self.bold, size, right - left)
+                rows = _wrap_words(T.phrase(rng, 2, 8, s.open_words), self.bold, size, right - left)
                 el = _place("title", rows, self.bold, size, left, y, size * 1.2, align=align, col_w=right - left)
             self._add(el)
             y = el.box[3] + rng.uniform(0.8, 1.6) * s.body

@@ -51,9 +51,53 @@ def word_table() -> tuple[list[str], list[float]]:
     return words, cum
 
 
-def words(rng: random.Random, n: int) -> list[str]:
+@lru_cache(maxsize=1)
+def letter_chain() -> dict[str, tuple[list[str], list[float]]]:
+    """Letter bigram statistics of the word list (weighted like `word_table`): for each letter (and "^", the
+    start), the letters that follow it and "$" (the end), with cumulative weights."""
+    counts: dict[str, dict[str, float]] = {}
+    for line in WORDS_FILE.read_text(encoding="utf-8").splitlines():
+        word, count = line.split()
+        if not word.isalpha() or not word.isascii():
+            continue
+        weight = int(count) ** 0.6
+        for a, b in zip("^" + word.lower(), word.lower() + "$"):
+            counts.setdefault(a, {})[b] = counts.setdefault(a, {}).get(b, 0.0) + weight
+    chain = {}
+    for a, nxt in counts.items():
+        letters, cum, total = [], [], 0.0
+        for b, w in sorted(nxt.items()):
+            total += w
+            letters.append(b)
+            cum.append(total)
+        chain[a] = (letters, cum)
+    return chain
+
+
+def pseudo_word(rng: random.Random) -> str:
+    """An English-looking word that is (almost always) not in the word list: 3-11 letters from the list's letter
+    bigrams. A decoder cannot recall it; it has to read it letter by letter."""
+    chain = letter_chain()
+    while True:
+        out, prev = [], "^"
+        while len(out) < 11:
+            letters, cum = chain[prev]
+            prev = rng.choices(letters, cum_weights=cum)[0]
+            if prev == "$":
+                break
+            out.append(prev)
+        if len(out) >= 3:
+            return "".join(out)
+
+
+def words(rng: random.Random, n: int, open_words: float = 0.0) -> list[str]:
+    """n words of the list; with ``open_words`` > 0 each is replaced by a `pseudo_word` with that probability
+    (0 draws nothing extra, so documents of a seed stay what they were)."""
     table, cum = word_table()
-    return rng.choices(table, cum_weights=cum, k=n)
+    out = rng.choices(table, cum_weights=cum, k=n)
+    if open_words > 0:
+        out = [pseudo_word(rng) if rng.random() < open_words else w for w in out]
+    return out
 
 
 def _token(rng: random.Random) -> str:
@@ -70,10 +114,10 @@ def _token(rng: random.Random) -> str:
     return f"{rng.choice('ABCDEFGHKMNPRSTX')}-{rng.randint(1, 99)}"
 
 
-def sentence(rng: random.Random, n_words: int | None = None) -> str:
+def sentence(rng: random.Random, n_words: int | None = None, open_words: float = 0.0) -> str:
     n = n_words or rng.randint(4, 14)
     out = []
-    for i, w in enumerate(words(rng, n)):
+    for i, w in enumerate(words(rng, n, open_words)):
         r = rng.random()
         if r < 0.06:
             w = _token(rng)
@@ -95,19 +139,19 @@ def sentence(rng: random.Random, n_words: int | None = None) -> str:
     return " ".join(out) + rng.choice([".", ".", ".", ".", "?", "!", ":"])
 
 
-def paragraph(rng: random.Random, n_chars: int) -> str:
+def paragraph(rng: random.Random, n_chars: int, open_words: float = 0.0) -> str:
     parts: list[str] = []
     length = 0
     while length < n_chars:
-        s = sentence(rng)
+        s = sentence(rng, open_words=open_words)
         parts.append(s)
         length += len(s) + 1
     return " ".join(parts)
 
 
-def phrase(rng: random.Random, lo: int = 1, hi: int = 5) -> str:
+def phrase(rng: random.Random, lo: int = 1, hi: int = 5, open_words: float = 0.0) -> str:
     """A heading-like phrase (title case on the first word, no final period)."""
-    ws = words(rng, rng.randint(lo, hi))
+    ws = words(rng, rng.randint(lo, hi), open_words)
     if rng.random() < 0.3:
         ws = [w.capitalize() for w in ws]
     ws[0] = ws[0][:1].upper() + ws[0][1:]
