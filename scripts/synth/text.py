@@ -10,6 +10,7 @@ it has to read it, while frequent words still become single BPE tokens.
 from __future__ import annotations
 
 import random
+from collections import defaultdict
 from functools import lru_cache
 from pathlib import Path
 
@@ -40,12 +41,21 @@ N_CHAR_CLASSES = len(CHARSET) + 2  # + nothing (0) + any other character (last)
 
 
 @lru_cache(maxsize=1)
-def word_table() -> tuple[list[str], list[float]]:
-    """Words and cumulative sampling weights (count ** 0.6, so common words are common but not dominant)."""
-    words, cum, total = [], [], 0.0
+def word_weights() -> tuple[tuple[str, float], ...]:
+    """(word, sampling weight) of the word list: count ** 0.6, so common words are common but not dominant."""
+    pairs = []
     for line in WORDS_FILE.read_text(encoding="utf-8").splitlines():
         word, count = line.split()
-        total += int(count) ** 0.6
+        pairs.append((word, int(count) ** 0.6))
+    return tuple(pairs)
+
+
+@lru_cache(maxsize=1)
+def word_table() -> tuple[list[str], list[float]]:
+    """Words and cumulative sampling weights (`word_weights`)."""
+    words, cum, total = [], [], 0.0
+    for word, weight in word_weights():
+        total += weight
         words.append(word)
         cum.append(total)
     return words, cum
@@ -55,14 +65,11 @@ def word_table() -> tuple[list[str], list[float]]:
 def letter_chain() -> dict[str, tuple[list[str], list[float]]]:
     """Letter bigram statistics of the word list (weighted like `word_table`): for each letter (and "^", the
     start), the letters that follow it and "$" (the end), with cumulative weights."""
-    counts: dict[str, dict[str, float]] = {}
-    for line in WORDS_FILE.read_text(encoding="utf-8").splitlines():
-        word, count = line.split()
-        if not word.isalpha() or not word.isascii():
-            continue
-        weight = int(count) ** 0.6
-        for a, b in zip("^" + word.lower(), word.lower() + "$"):
-            counts.setdefault(a, {})[b] = counts.setdefault(a, {}).get(b, 0.0) + weight
+    counts: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for word, weight in word_weights():
+        if word.isalpha() and word.isascii():
+            for a, b in zip("^" + word.lower(), word.lower() + "$"):
+                counts[a][b] += weight
     chain = {}
     for a, nxt in counts.items():
         letters, cum, total = [], [], 0.0
