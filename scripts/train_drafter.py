@@ -6,15 +6,21 @@
     python3 scripts/train_drafter.py --tiny --steps 40 --pages 3 --max-new-tokens 80   # CPU smoke run
 
 1. Pages: your own (`--images DIR`: PDFs, TIFFs, PNGs, JPEGs, rendered as uflash renders them) or synthetic
-   image-only pages (`scripts.synth`, scan effects, training seeds >= 1,000,000).
-2. The target decodes each page (the engine's `plain` mode: token-identical to the official path).
-3. Teacher features: one forward of prompt + output under the R-SWA mask (`engine.drafters.block_teacher`),
-   refused unless it reproduces every greedy token.
-4. Training: random anchors t; from the features of the C inputs before o_t and the embedding of o_t, predict
-   o_{t+1} .. o_{t+k}; cross-entropy weighted towards early block positions; AdamW, cosine schedule.
+   image-only pages (`scripts.synth`, scan effects, training seeds >= 1,000,000; `--workers` render them).
+2. Teacher data, one forward per page under the R-SWA mask (`engine.drafters.block_teacher`):
+   `--data decode` (the default for your own pages): the target decodes the page (the engine's `plain` mode on
+   the fast path) and the forward over its output must reproduce every greedy token;
+   `--data labels` (the default for synthetic pages): the forward runs over the page's label tokens and keeps the
+   target's greedy choice at each position; blocks are cut where the label leaves the greedy path. No decode:
+   many times more pages a minute.
+3. Training: random anchors t; from the features of the C inputs before o_t, the embedding of o_t and (with
+   `--memory`, the default) the prompt's features, predict o_{t+1} .. o_{t+k}; cross-entropy weighted towards early
+   block positions; AdamW, cosine schedule. Each batch takes `--anchors` anchors from each of its pages.
+4. Held-out pages (`--heldout-pages`, label data, seeds < 1,000,000): teacher-forced acceptance by block
+   position and the tau it implies (leading drafts that match the target's greedy chain), logged while training.
 5. Saved to `<model>/drafter` (or `--out`): uflash's lossless and fast modes use it from then on.
-6. Held-out check (`--eval-pages`): `lossless` with the block drafter alone against `plain` on pages never trained
-   on: token-identical, tau, acceptance by position, speed ratio.
+6. Live check (`--eval-pages`): `lossless` with the block drafter alone against `plain` on pages never trained
+   on, both on the fast path: token-identical, tau, acceptance by position, speed ratio.
 Prints a table, then one JSON line.
 """
 
@@ -36,15 +42,32 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from engine.drafters.block import BlockDrafterConfig, BlockDrafterNet, block_loss, drafter_folder  # noqa: E402
-from engine.drafters.block_teacher import make_examples, teacher_features, training_windows  # noqa: E402
+from engine.drafters.block_teacher import (label_features, make_examples, teacher_features,  # noqa: E402
+                                          training_windows)
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".tif", ".tiff"}
 
 
-def synthetic_pages(n: int, seed0: int) -> list:
+def _synthetic_page(seed: int):
     from scripts.synth import make_document, render_pages
 
-    return [render_pages(make_document(seed0 + k, 1, scan=True)[0], 1024)[0] for k in range(n)]
+    data, labels = make_document(seed, 1, scan=True)
+    return render_pages(data, 1024)[0], labels[0]
+
+
+def synthetic_pages(n: int, seed0: int, workers: int = 0) -> tuple[list, list[str]]:
+    """n image-only synthetic pages (seeds seed0 ..) and their labels, rendered by `workers` processes."""
+    from tqdm import tqdm
+
+    seeds = range(seed0, seed0 + n)
+    if workers > 1:
+        import multiprocessing as mp
+
+        with mp.get_context("spawn").Pool(workers) as pool:
+            items = list(tqdm(pool.imap(_synthetic_page, seeds, chunksize=4), total=n, desc="rendering", unit="page"))
+    else:
+        items = [_synthetic_page(seed) for seed in tqdm(seeds, desc="rendering", unit="page")]
+    return [i[0] for i in items], [i[1] for i in items]
 
 
 def folder_pages(folder: Path, limit: int) -> list:
@@ -74,29 +97,116 @@ def folder_pages(folder: Path, limit: int) -> list:
 
 
 def decode_plain(loaded, pages: list, max_new_tokens: int, desc: str) -> list[list[int]]:
+    """The target's own greedy outputs, on the engine's fast path (CUDA graphs on a GPU)."""
     from tqdm import tqdm
 
-    from engine.speculative import SpeculativeDecoder
+    from engine.fast_decoder import FastDecoder
 
-    plain = SpeculativeDecoder(loaded, mode="plain")
+    plain = FastDecoder(loaded, mode="plain")
     return [plain.generate([page], max_new_tokens).output_ids for page in tqdm(pages, desc=desc, unit="page")]
 
 
-def build_teacher(loaded, pages, outputs, layers):
-    seqs = [teacher_features(loaded, [page], ids, layers) for page, ids in zip(pages, outputs)]
-    return [s for s in seqs if len(s.output_ids) > 1]
+def label_ids(loaded, label: str) -> list[int]:
+    return loaded.tokenizer(label, add_special_tokens=False)["input_ids"] + [loaded.eos_token_id]
+
+
+def build_teacher(loaded, pages, outputs, layers, store_dtype=None):
+    from tqdm import tqdm
+
+    seqs = []
+    for page, ids in tqdm(list(zip(pages, outputs)), desc="teacher features", unit="page"):
+        seq = teacher_features(loaded, [page], ids, layers)
+        if len(seq.output_ids) > 1:
+            seq.features = seq.features.to(store_dtype or seq.features.dtype)
+            seqs.append(seq)
+    return seqs
+
+
+def build_label_teacher(loaded, pages, labels, layers, store_dtype=None):
+    """Label data (block_teacher.label_features) for synthetic pages, and the share of label tokens that are the
+    target's greedy choice."""
+    from tqdm import tqdm
+
+    seqs = []
+    for page, label in tqdm(list(zip(pages, labels)), desc="teacher features (labels)", unit="page"):
+        seq = label_features(loaded, [page], label_ids(loaded, label), layers)
+        seq.features = seq.features.to(store_dtype or seq.features.dtype)
+        seqs.append(seq)
+    return seqs
+
+
+def label_agreement(seqs) -> float:
+    same = sum(sum(a == b for a, b in zip(s.output_ids[1:], s.next_ids)) for s in seqs)
+    return same / max(1, sum(len(s.output_ids) - 1 for s in seqs))
+
+
+def sample_batch(windows_by_seq, rng, batch: int, anchors: int):
+    """batch // anchors pages, `anchors` anchors (windows) from each -> (picks [(sequence, t)], the chosen pages,
+    the batch page of each pick)."""
+    n_seq = max(1, batch // anchors)
+    chosen = [rng.randrange(len(windows_by_seq)) for _ in range(n_seq)]
+    picks, index = [], []
+    for j, s in enumerate(chosen):
+        for _ in range(anchors):
+            picks.append(windows_by_seq[s][rng.randrange(len(windows_by_seq[s]))])
+            index.append(j)
+    return picks, chosen, index
+
+
+def forward_batch(net, seqs, picks, chosen, index, embed, head):
+    c = net.config
+    feats, last, targets = make_examples(seqs, picks, c.context, c.block, embed)
+    dtype = next(net.parameters()).dtype
+    memory = None
+    if c.memory:
+        first = {j: picks[i][0] for i, j in reversed(list(enumerate(index)))}  # batch page j -> sequence
+        prompts = [seqs[first[j]].features[: seqs[first[j]].prompt_len] for j in range(len(chosen))]
+        lengths = [p.shape[0] for p in prompts]
+        mem = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True)
+        memory = net.encode_memory(mem.to(dtype), lengths, torch.tensor(index, device=mem.device))
+    return net(feats.to(dtype), last.to(dtype), head, memory), targets
+
+
+@torch.no_grad()
+def proxy_eval(net, loaded, seqs, max_examples: int = 4096, seed: int = 1) -> dict:
+    """Teacher-forced acceptance on held-out label pages: by block position (the draft matches the target's
+    greedy chain and every earlier one did), and the tau that implies (mean leading matches per draft)."""
+    c = net.config
+    rng = random.Random(seed)
+    by_seq = [[(i, t) for _, t in training_windows([s], c.context)] for i, s in enumerate(seqs)]
+    by_seq = [ws for ws in by_seq if ws]
+    embed, head = loaded.model.get_input_embeddings(), loaded.model.lm_head
+    was_training = net.training
+    net.eval()
+    hits = torch.zeros(c.block)
+    n = 0
+    while n < max_examples:
+        picks, chosen, index = sample_batch(by_seq, rng, 256, 16)
+        logits, targets = forward_batch(net, seqs, picks, chosen, index, embed, head)
+        ok = (logits.argmax(-1) == targets) & (targets != -100)
+        lead = torch.cumprod(ok.int(), dim=1).bool()
+        hits += lead.sum(0).float().cpu()
+        n += len(picks)
+    net.train(was_training)
+    by_position = (hits / n).tolist()
+    return {"tau": round(sum(by_position), 3), "acceptance_by_position": [round(x, 3) for x in by_position],
+            "examples": n}
 
 
 def train(net: BlockDrafterNet, loaded, seqs, steps: int | None, seconds: float | None, batch: int, lr: float,
-          seed: int, log_every: int = 20) -> dict:
+          seed: int, anchors: int = 16, heldout=None, eval_every: float = 60.0, log_every: int = 20) -> dict:
     c = net.config
     windows = training_windows(seqs, c.context)
     if not windows:
         raise SystemExit(f"no training windows: outputs too short for a context of {c.context}")
+    by_seq: dict[int, list] = {}
+    for w in windows:
+        by_seq.setdefault(w[0], []).append(w)
+    by_seq = list(by_seq.values())
     rng = random.Random(seed)
     opt = torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     embed, head = loaded.model.get_input_embeddings(), loaded.model.lm_head
-    losses, t0, step = [], time.time(), 0
+    losses, t0, step, last_eval, evals = [], time.time(), 0, time.time(), []
     total = steps if steps else None
     net.train()
     while True:
@@ -106,10 +216,8 @@ def train(net: BlockDrafterNet, loaded, seqs, steps: int | None, seconds: float 
         frac = step / total if total else elapsed / seconds
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
-        feats, last, targets = make_examples(seqs, [rng.choice(windows) for _ in range(batch)], c.context, c.block,
-                                             embed)
-        dtype = next(net.parameters()).dtype
-        logits = net(feats.to(dtype), last.to(dtype), head)
+        picks, chosen, index = sample_batch(by_seq, rng, batch, anchors)
+        logits, targets = forward_batch(net, seqs, picks, chosen, index, embed, head)
         loss = block_loss(logits, targets, c.loss_decay)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -121,18 +229,28 @@ def train(net: BlockDrafterNet, loaded, seqs, steps: int | None, seconds: float 
             acc0 = (logits[:, 0].argmax(-1) == targets[:, 0]).float().mean().item()
             print(f"step {step:5d}  loss {sum(losses[-log_every:]) / log_every:.4f}  first-token acc {acc0:.3f}  "
                   f"{step / (time.time() - t0):.1f} steps/s", flush=True)
+        if heldout and time.time() - last_eval >= eval_every:
+            ev = proxy_eval(net, loaded, heldout)
+            evals.append({"step": step, "seconds": round(time.time() - t0, 1), **ev})
+            print(f"step {step:5d}  held-out tau {ev['tau']:.3f}  by position {ev['acceptance_by_position']}",
+                  flush=True)
+            last_eval = time.time()
     net.eval()
     k = max(1, len(losses) // 10)
-    return {"steps": step, "seconds": round(time.time() - t0, 1), "windows": len(windows),
-            "loss_first": sum(losses[:k]) / k, "loss_last": sum(losses[-k:]) / k}
+    out = {"steps": step, "seconds": round(time.time() - t0, 1), "windows": len(windows),
+           "loss_first": sum(losses[:k]) / k, "loss_last": sum(losses[-k:]) / k}
+    if heldout:
+        out["heldout"] = proxy_eval(net, loaded, heldout)
+        out["heldout_curve"] = evals
+    return out
 
 
 def evaluate(loaded, net, pages, max_new_tokens: int, k_max: int) -> dict:
     """lossless with the block drafter alone vs plain on the same pages, side by side."""
-    from engine.speculative import SpeculativeDecoder
+    from engine.fast_decoder import FastDecoder
 
-    plain = SpeculativeDecoder(loaded, mode="plain")
-    spec = SpeculativeDecoder(loaded, mode="lossless", k_max=k_max, drafters=("block",), block_net=net)
+    plain = FastDecoder(loaded, mode="plain")
+    spec = FastDecoder(loaded, mode="lossless", k_max=k_max, drafters=("block",), block_net=net)
     rows, identical = [], 0
     for page in pages:
         a = plain.generate([page], max_new_tokens)
@@ -162,6 +280,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="drafter folder (default: <model>/drafter)")
     ap.add_argument("--images", help="train on the pages of the PDFs/images in this folder instead of synthetic ones")
     ap.add_argument("--pages", type=int, default=200, help="training pages")
+    ap.add_argument("--data", choices=("auto", "labels", "decode"), default="auto",
+                    help="teacher data: the target's decode, or the synthetic pages' labels (auto: labels for "
+                         "synthetic pages, decode for --images)")
+    ap.add_argument("--workers", type=int, default=0, help="processes rendering synthetic pages")
+    ap.add_argument("--heldout-pages", type=int, default=0, help="held-out label pages for the teacher-forced tau")
     ap.add_argument("--eval-pages", type=int, default=0, help="held-out pages for the lossless-vs-plain check")
     ap.add_argument("--max-new-tokens", type=int, default=1500)
     ap.add_argument("--device", default="auto")
@@ -169,17 +292,23 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, default=8)
     ap.add_argument("--context", type=int, default=32)
     ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
+                    help="the drafter also attends to the prompt's (the pages') features")
     ap.add_argument("--layers", help="target layers, e.g. 1,6,11 (default: an early, a middle and the last one)")
     ap.add_argument("--drafter-layers", type=int, default=2)
     ap.add_argument("--steps", type=int, help="optimizer steps (default: train for --minutes)")
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--anchors", type=int, default=16, help="anchors per page in a batch")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the record here")
     args = ap.parse_args(argv)
     if not args.model and not args.tiny:
         ap.error("--model PATH or --tiny")
+    data = args.data if args.data != "auto" else ("decode" if args.images else "labels")
+    if data == "labels" and args.images:
+        ap.error("--data labels needs synthetic pages (your own pages have no labels): leave out --images")
 
     from engine.model import load_model
 
@@ -195,36 +324,55 @@ def main(argv=None) -> int:
     text_cfg = loaded.model.config.text_config
     layers = [int(x) for x in args.layers.split(",")] if args.layers else \
         BlockDrafterConfig.default_layers(text_cfg.num_hidden_layers)
+    store = torch.bfloat16 if loaded.device.type == "cuda" else None  # teacher features kept on the GPU
     t0 = time.time()
-    pages = folder_pages(Path(args.images), args.pages) if args.images else synthetic_pages(args.pages, 1_000_000)
-    outputs = decode_plain(loaded, pages, args.max_new_tokens, "decoding (plain)")
-    decode_s = time.time() - t0
-    seqs = build_teacher(loaded, pages, outputs, layers)
-    teacher_s = time.time() - t0 - decode_s
+    labels = None
+    if args.images:
+        pages = folder_pages(Path(args.images), args.pages)
+    else:
+        pages, labels = synthetic_pages(args.pages, 1_000_000, args.workers)
+    render_s = time.time() - t0
+    if data == "decode":
+        outputs = decode_plain(loaded, pages, args.max_new_tokens, "decoding (plain)")
+        decode_s = time.time() - t0 - render_s
+        seqs = build_teacher(loaded, pages, outputs, layers, store)
+    else:
+        decode_s = 0.0
+        seqs = build_label_teacher(loaded, pages, labels, layers, store)
+    teacher_s = time.time() - t0 - render_s - decode_s
+    heldout = None
+    if args.heldout_pages:
+        h_pages, h_labels = synthetic_pages(args.heldout_pages, 800_000, args.workers)  # held-out seeds
+        heldout = build_label_teacher(loaded, h_pages, h_labels, layers, store)
     context = min(args.context, min(s.prompt_len for s in seqs))
     config = BlockDrafterConfig(target_hidden=text_cfg.hidden_size, layers=layers, block=args.block, context=context,
-                                dim=args.dim, num_layers=args.drafter_layers,
-                                meta={"model": str(args.model), "pages": len(pages),
+                                dim=args.dim, num_layers=args.drafter_layers, memory=args.memory,
+                                meta={"model": str(args.model), "pages": len(pages), "data": data,
                                       "source": args.images or "synthetic scan-like pages"})
     net = BlockDrafterNet(config).to(loaded.device)
     if loaded.dtype != torch.float32:
         net = net.to(loaded.dtype)
     fit = train(net, loaded, seqs, args.steps, args.minutes * 60 if not args.steps else None, args.batch, args.lr,
-                args.seed)
+                args.seed, anchors=min(args.anchors, args.batch), heldout=heldout)
     out = Path(args.out) if args.out else drafter_folder(args.model)
     net.requires_grad_(False)
     net.save(out)
-    record = {"model": str(args.model), "out": str(out), "pages": len(pages), "layers": layers,
-              "block": args.block, "context": context, "params": sum(p.numel() for p in net.parameters()),
-              "tokens": sum(len(s.output_ids) for s in seqs), "decode_s": round(decode_s, 1),
-              "teacher_s": round(teacher_s, 1), **fit}
+    record = {"model": str(args.model), "out": str(out), "pages": len(pages), "data": data, "layers": layers,
+              "block": args.block, "context": context, "memory": args.memory,
+              "params": sum(p.numel() for p in net.parameters()),
+              "tokens": sum(len(s.output_ids) for s in seqs), "render_s": round(render_s, 1),
+              "decode_s": round(decode_s, 1), "teacher_s": round(teacher_s, 1), **fit}
+    if data == "labels":
+        record["label_agreement"] = round(label_agreement(seqs), 4)
     if args.eval_pages:
-        held = synthetic_pages(args.eval_pages, 850_000)  # held-out seeds (< 1,000,000)
+        held, _ = synthetic_pages(args.eval_pages, 850_000, args.workers)  # held-out seeds (< 1,000,000)
         record["eval"] = evaluate(loaded, net, held, args.max_new_tokens, k_max=args.block)
-    print(f"{'pages':>6} {'tokens':>7} {'steps':>6} {'loss first':>10} {'loss last':>9} {'tau':>6} {'speedup':>8}")
+    print(f"{'pages':>6} {'tokens':>7} {'steps':>6} {'loss first':>10} {'loss last':>9} {'tf tau':>7} {'tau':>6} "
+          f"{'speedup':>8}")
     ev = record.get("eval", {})
     print(f"{record['pages']:>6} {record['tokens']:>7} {fit['steps']:>6} {fit['loss_first']:>10.4f} "
-          f"{fit['loss_last']:>9.4f} {ev.get('tau_mean', float('nan')):>6.2f} {ev.get('speedup_vs_plain', float('nan')):>8.2f}")
+          f"{fit['loss_last']:>9.4f} {fit.get('heldout', {}).get('tau', float('nan')):>7.2f} "
+          f"{ev.get('tau_mean', float('nan')):>6.2f} {ev.get('speedup_vs_plain', float('nan')):>8.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=1))
     print(json.dumps(record))

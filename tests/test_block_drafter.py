@@ -11,7 +11,7 @@ import torch
 
 from engine.chunk_decode import load_decoder
 from engine.drafters.block import BlockDrafter, BlockDrafterConfig, BlockDrafterNet
-from engine.drafters.block_teacher import TeacherMismatch, teacher_features
+from engine.drafters.block_teacher import TeacherMismatch, label_features, make_examples, teacher_features
 from engine.drafters.policy import DraftPolicy
 from engine.model import load_model
 from engine.official import official_generate
@@ -31,11 +31,11 @@ def tiny(tmp_path_factory):
                       "cpu", "float32")
 
 
-def _net(loaded, context=16, block=6, seed=0):
+def _net(loaded, context=16, block=6, seed=0, memory=False):
     torch.manual_seed(seed)
     cfg = loaded.model.config.text_config
     config = BlockDrafterConfig(target_hidden=cfg.hidden_size, layers=BlockDrafterConfig.default_layers(
-        cfg.num_hidden_layers), block=block, context=context, dim=32, num_layers=1, num_heads=2)
+        cfg.num_hidden_layers), block=block, context=context, dim=32, num_layers=1, num_heads=2, memory=memory)
     return BlockDrafterNet(config).eval().requires_grad_(False)
 
 
@@ -47,13 +47,23 @@ class Recording(SpeculativeDecoder):
         return self.last_drafters
 
 
-@pytest.mark.parametrize("n_pages", [1, 3])
-def test_lossless_with_the_block_drafter_is_token_identical_and_fed_the_rswa_features(tiny, n_pages):
+def _assert_memory_is_the_prompt(block, net, teacher):
+    """The page memory the drafter read equals the memory of the teacher's prompt features."""
+    if not net.config.memory:
+        assert block._memory is None
+        return
+    expected = net.encode_memory(teacher.features[None, : teacher.prompt_len])
+    for (k, v), (ek, ev) in zip(block._memory.kv, expected.kv):
+        assert torch.allclose(k, ek, atol=1e-4) and torch.allclose(v, ev, atol=1e-4)
+
+
+@pytest.mark.parametrize("n_pages,memory", [(1, False), (3, False), (3, True)])
+def test_lossless_with_the_block_drafter_is_token_identical_and_fed_the_rswa_features(tiny, n_pages, memory):
     pages = [text_page(i) for i in range(n_pages)]
     kind = "single" if n_pages == 1 else "multi"
     official = official_generate(tiny, pages, kind, LENGTH).output_ids
     vocab = tiny.model.config.text_config.vocab_size
-    net = _net(tiny)
+    net = _net(tiny, memory=memory)
     # replay drafts right at every other token: rounds accept 0, 1 or several tokens, so every feed size occurs
     replay = [t if i % 3 else (t + 5) % vocab for i, t in enumerate(official)]
     dec = Recording(tiny, mode="lossless", k_max=6, drafters=("block", "replay"), block_net=net)
@@ -69,6 +79,7 @@ def test_lossless_with_the_block_drafter_is_token_identical_and_fed_the_rswa_fea
     assert block.fed == end
     expected = teacher.features[end - net.config.context : end]
     assert torch.allclose(block._buffer, expected, atol=1e-4), (block._buffer - expected).abs().max()
+    _assert_memory_is_the_prompt(block, net, teacher)
 
     alone = SpeculativeDecoder(tiny, mode="lossless", k_max=6, drafters=("block",), block_net=net)
     assert alone.generate(pages, LENGTH).output_ids == official
@@ -98,16 +109,20 @@ def test_policy_counts_acceptance_by_draft_position():
     assert policy.stats["fixed"].as_dict()["acceptance_by_position"] == [0.5, 0.5, 0.0, 0.0]
 
 
-def test_train_drafter_script_end_to_end_and_uflash_uses_the_result(tmp_path):
+@pytest.mark.parametrize("data", [["--data", "labels", "--heldout-pages", "1"], ["--data", "decode", "--no-memory"]])
+def test_train_drafter_script_end_to_end_and_uflash_uses_the_result(tmp_path, data):
     from scripts.train_drafter import main
 
     model = build_tiny_model(tmp_path / "target", sliding_window=8, seed=3, text_init=0.02)
     record_path = tmp_path / "record.json"
     assert main(["--model", str(model), "--device", "cpu", "--dtype", "float32", "--pages", "3", "--steps", "150",
                  "--batch", "32", "--max-new-tokens", "60", "--block", "4", "--dim", "64",
-                 "--json", str(record_path)]) == 0
+                 "--json", str(record_path), *data]) == 0
     record = json.loads(record_path.read_text())
     assert record["loss_last"] < 0.8 * record["loss_first"], record
+    assert record["data"] == data[1] and record["memory"] == ("--no-memory" not in data)
+    if data[1] == "labels":
+        assert 0 <= record["heldout"]["tau"] <= 4 and len(record["heldout"]["acceptance_by_position"]) == 4
     assert (model / "drafter" / "drafter_config.json").is_file()
 
     decoder = load_decoder(str(model), "cpu", "float32", mode="lossless")
@@ -122,12 +137,12 @@ def test_train_drafter_script_end_to_end_and_uflash_uses_the_result(tmp_path):
 
 def test_the_static_runner_feeds_the_block_drafter_the_same_features(tiny):
     """FastDecoder's static path (the CUDA-graph body, run eagerly on the CPU) with the block drafter: same tokens
-    as official, and the same fed features as the R-SWA teacher."""
+    as official, and the same fed features (and page memory) as the R-SWA teacher."""
     from engine.fast_decoder import FastDecoder
 
     pages = [text_page(i) for i in range(3)]
     official = official_generate(tiny, pages, "multi", LENGTH).output_ids
-    net = _net(tiny)
+    net = _net(tiny, memory=True)
     vocab = tiny.model.config.text_config.vocab_size
     replay = [t if i % 3 else (t + 5) % vocab for i, t in enumerate(official)]
     seen = {}
@@ -148,3 +163,23 @@ def test_the_static_runner_feeds_the_block_drafter_the_same_features(tiny):
     end = teacher.prompt_len + len(official) - 1
     assert block.fed == end
     assert torch.allclose(block._buffer, teacher.features[end - net.config.context : end], atol=1e-4)
+    _assert_memory_is_the_prompt(block, net, teacher)
+
+
+def test_label_data_follows_the_greedy_chain_and_cuts_blocks_where_the_label_leaves_it(tiny):
+    page = [text_page(0)]
+    ids = official_generate(tiny, page, "single", 60).output_ids
+    layers = [0, 1]
+    same = label_features(tiny, page, ids, layers)  # the target's own output as the "label": all greedy
+    assert same.next_ids[:-1] == ids[1:]
+    assert torch.allclose(same.features, teacher_features(tiny, page, ids, layers).features, atol=1e-5)
+
+    wrong = list(ids)
+    vocab = tiny.model.config.text_config.vocab_size
+    wrong[30] = (wrong[30] + 1) % vocab  # the label leaves the greedy path at o_30
+    seq = label_features(tiny, page, wrong, layers)
+    assert seq.next_ids[29] == ids[30] != wrong[30]
+    embed = tiny.model.get_input_embeddings()
+    _, _, targets = make_examples([seq], [(0, 26)], 8, 6, embed)
+    # anchor 26 drafts o_27 .. o_32: o_27 .. o_30 are the target's (o_30 its own choice, not the label's), then cut
+    assert targets[0].tolist() == ids[27:31] + [-100, -100]

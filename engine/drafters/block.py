@@ -1,5 +1,5 @@
 """`block` drafter (after DFlash): a small network that drafts a block of k tokens in one forward pass from
-hidden states of several target layers over the recent context.
+hidden states of several target layers over the recent context, and (``memory``) over the page images.
 
 Shapes and positions. The output so far is o_0 .. o_t; the target has run every input up to o_{t-1} (o_t, the
 last committed token, is the next verify round's first input). The drafter keeps the target's features of the
@@ -11,6 +11,12 @@ f = concat(hidden state after each of ``layers``) [context, len(layers) * H]. On
 where block rows see every context row and every block row, and context rows see only context rows, gives at
 block row j the draft of o_{t+1+j}. ``embed`` and the output head are the target's own ``embed_tokens`` and
 ``lm_head`` (frozen, through small projections), so the drafter's own weights stay small.
+
+Page memory (``memory=True``). The recent context says where the target is reading, not what comes next: the
+next words are only on the page. With memory, every row also cross-attends to the target's features of the
+whole prompt (the page images' tokens after the target's layers, computed once per decode by the first
+``feed``), so the drafter can read ahead instead of guessing from the text so far. Its keys and values are
+projected once per decode (`encode_memory`), not per draft.
 
 Its cache needs no rollback: it only ever holds features of committed inputs (``feed``). Any draft is safe:
 the verify round keeps only what the target itself produces.
@@ -39,12 +45,66 @@ class BlockDrafterConfig:
     num_layers: int = 2
     num_heads: int = 4
     loss_decay: float = 4.0  # training: block position j weighs exp(-j / loss_decay)
+    memory: bool = False  # rows also attend to the prompt's features (the pages), see the module docstring
     meta: dict = field(default_factory=dict)  # what it was trained on (free-form, saved with it)
 
     @staticmethod
     def default_layers(num_target_layers: int) -> list[int]:
         """Three layers spread over the target: an early, a middle and the last one."""
         return sorted({1 if num_target_layers > 2 else 0, num_target_layers // 2, num_target_layers - 1})
+
+
+@dataclass
+class PageMemory:
+    """The prompt's features projected to every drafter layer's keys and values, once per decode.
+    kv[layer] = (k, v) [S, heads, M, head_dim]; allowed [S, 1, 1, M] (False = padding) or None;
+    index [B] (which of the S memories each drafted example reads) or None (S == B)."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    allowed: torch.Tensor | None = None
+    index: torch.Tensor | None = None
+
+
+class DraftLayer(torch.nn.Module):
+    """Pre-norm transformer layer: masked self-attention over the rows, cross-attention to the page memory when
+    there is one, MLP."""
+
+    def __init__(self, dim: int, heads: int, memory: bool):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = torch.nn.LayerNorm(dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+        if memory:
+            self.norm_q = torch.nn.LayerNorm(dim)
+            self.q_mem = torch.nn.Linear(dim, dim)
+            self.kv_mem = torch.nn.Linear(dim, 2 * dim)
+            self.proj_mem = torch.nn.Linear(dim, dim)
+        self.norm2 = torch.nn.LayerNorm(dim)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
+
+    def _split(self, x: torch.Tensor) -> torch.Tensor:  # [B, N, dim] -> [B, heads, N, head_dim]
+        B, N, D = x.shape
+        return x.view(B, N, self.heads, D // self.heads).transpose(1, 2)
+
+    def memory_kv(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.kv_mem(memory).chunk(2, dim=-1)
+        return self._split(k), self._split(v)
+
+    def forward(self, x: torch.Tensor, allowed: torch.Tensor, memory: PageMemory | None, layer: int) -> torch.Tensor:
+        B, N, D = x.shape
+        q, k, v = (self._split(t) for t in self.qkv(self.norm1(x)).chunk(3, dim=-1))
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        x = x + self.proj(a.transpose(1, 2).reshape(B, N, D))
+        if memory is not None:
+            mk, mv = memory.kv[layer]
+            mask = memory.allowed
+            if memory.index is not None:
+                mk, mv = mk[memory.index], mv[memory.index]
+                mask = mask[memory.index] if mask is not None else None
+            a = F.scaled_dot_product_attention(self._split(self.q_mem(self.norm_q(x))), mk, mv, attn_mask=mask)
+            x = x + self.proj_mem(a.transpose(1, 2).reshape(B, N, D))
+        return x + self.mlp(self.norm2(x))
 
 
 class BlockDrafterNet(torch.nn.Module):
@@ -56,27 +116,45 @@ class BlockDrafterNet(torch.nn.Module):
         self.embed_in = torch.nn.Linear(c.target_hidden, c.dim)
         self.mask_token = torch.nn.Parameter(torch.zeros(c.dim))
         self.positions = torch.nn.Embedding(c.context + c.block, c.dim)
-        layer = torch.nn.TransformerEncoderLayer(c.dim, c.num_heads, 4 * c.dim, dropout=0.0, activation="gelu",
-                                                 batch_first=True, norm_first=True)
-        self.blocks = torch.nn.TransformerEncoder(layer, c.num_layers, enable_nested_tensor=False)
+        if c.memory:
+            self.memory_in = torch.nn.Sequential(torch.nn.Linear(len(c.layers) * c.target_hidden, c.dim),
+                                                 torch.nn.LayerNorm(c.dim))
+        self.blocks = torch.nn.ModuleList(DraftLayer(c.dim, c.num_heads, c.memory) for _ in range(c.num_layers))
         self.norm = torch.nn.LayerNorm(c.dim)
         self.head_in = torch.nn.Linear(c.dim, c.target_hidden)
         n = c.context + c.block
         allowed = torch.ones(n, n, dtype=torch.bool)
         allowed[: c.context, c.context :] = False  # context rows never see the block
-        self.register_buffer("attn_mask", ~allowed, persistent=False)  # True = masked (PyTorch convention)
+        self.register_buffer("allowed", allowed, persistent=False)  # True = may attend (SDPA convention)
         torch.nn.init.normal_(self.mask_token, std=0.02)
 
-    def forward(self, features: torch.Tensor, last_embedding: torch.Tensor, lm_head) -> torch.Tensor:
+    def encode_memory(self, features: torch.Tensor, lengths: list[int] | None = None,
+                      index: torch.Tensor | None = None) -> PageMemory | None:
+        """features [S, M, L*H] (the prompt's features; right-padded when `lengths` says so) -> PageMemory for
+        the forwards that follow; None when this drafter has no memory."""
+        if not self.config.memory:
+            return None
+        mem = self.memory_in(features.to(self.fuse.weight.dtype))
+        allowed = None
+        if lengths is not None and min(lengths) < features.shape[1]:
+            allowed = (torch.arange(features.shape[1], device=features.device)[None]
+                       < torch.tensor(lengths, device=features.device)[:, None])[:, None, None]
+        return PageMemory([layer.memory_kv(mem) for layer in self.blocks], allowed, index)
+
+    def forward(self, features: torch.Tensor, last_embedding: torch.Tensor, lm_head,
+                memory: PageMemory | None = None) -> torch.Tensor:
         """features [B, C, L*H], last_embedding [B, H] (target's embedding of o_t) -> logits [B, k, vocab]."""
         c = self.config
+        if c.memory and memory is None:
+            raise ValueError("this block drafter reads the page memory: pass encode_memory(prompt features)")
         B = features.shape[0]
         ctx = self.fuse(features)
         first = self.embed_in(last_embedding)[:, None]
         masks = self.mask_token.expand(B, c.block - 1, -1)
         x = torch.cat([ctx, first, masks], dim=1) + self.positions.weight[None]
-        h = self.blocks(x, mask=self.attn_mask)
-        return lm_head(self.head_in(self.norm(h[:, c.context :])))
+        for i, layer in enumerate(self.blocks):
+            x = layer(x, self.allowed, memory, i)
+        return lm_head(self.head_in(self.norm(x[:, c.context :])))
 
     def save(self, folder: str | Path) -> None:
         from safetensors.torch import save_file
@@ -123,11 +201,14 @@ class BlockDrafter:
         self._buffer: torch.Tensor | None = None  # [<= C, L*H], the latest fed features
         self.fed = 0  # inputs fed so far (prompt + committed outputs)
         self.prompt_len: int | None = None
+        self._memory: PageMemory | None = None
 
     def feed(self, features: torch.Tensor) -> None:
         """features [n, L*H] of the next n committed inputs."""
         if self.prompt_len is None:
             self.prompt_len = features.shape[0]
+            with torch.inference_mode():
+                self._memory = self.net.encode_memory(features[None])
         buf = features if self._buffer is None else torch.cat([self._buffer, features])
         self._buffer = buf[-self.net.config.context :]
         self.fed += features.shape[0]
@@ -142,5 +223,6 @@ class BlockDrafter:
                                f"{len(committed_ids) - 1} committed outputs")
         p = next(self.net.parameters())
         last = torch.tensor([committed_ids[-1]], device=p.device)
-        logits = self.net(self._buffer[None].to(p.dtype), self.embed_tokens(last).to(p.dtype), self.lm_head)
+        logits = self.net(self._buffer[None].to(p.dtype), self.embed_tokens(last).to(p.dtype), self.lm_head,
+                          self._memory)
         return logits[0, : min(k, c.block)].argmax(-1).tolist()
