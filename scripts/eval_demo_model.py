@@ -11,6 +11,9 @@
 4. single sentences (``--sentences N`` of each set), one 20 pt Helvetica text element on a page: ``sent-list``
    from the generator's own vocabulary, ``sent-open`` plain English whose words are mostly outside it; the gap
    between the two is how much the model reads versus recalls its training words.
+5. nearly empty pages (``--sparse N``): N held-out synthetic pages of the generator's ``sparse`` kind (one to
+   three elements anywhere, rarely a header), and ``sent-low``: the open sentences typed alone (16 pt Helvetica)
+   lower on a blank page, where the training documents always had body text under a header.
 Pages are rendered like the project renders PDFs (longer side 1024 px) and decoded with
 `engine.official.official_generate`. Prints a table, then one JSON line.
 """
@@ -93,6 +96,19 @@ def sentence_pdf(text: str) -> bytes:
     return data
 
 
+def typed_sentence_pdf(text: str, top: float = 72.0) -> bytes:
+    """A sentence typed on an otherwise blank A4 page as office software would: 16 pt Helvetica at the left
+    margin, `top` points from the top edge (72 = the first line of a page; lower = a lone line mid-page)."""
+    import pymupdf
+
+    doc = pymupdf.open()
+    page = doc.new_page(width=595, height=842)
+    page.insert_textbox(pymupdf.Rect(72, top, 523, top + 200), text, fontsize=16, fontname="helv")
+    data = doc.tobytes()
+    doc.close()
+    return data
+
+
 def list_sentences(n: int, seed: int) -> list[str]:
     """Sentences of the generator itself (its word list, numbers, codes), for the in-vocabulary sentence set."""
     import random
@@ -149,6 +165,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sentences", type=int, default=6,
                     help=f"single-sentence pages of each set: generator vocabulary, and open English (<= "
                          f"{len(OPEN_SENTENCES)})")
+    ap.add_argument("--sparse", type=int, default=0,
+                    help="held-out nearly empty pages (synth kind 'sparse'), and the open sentences typed alone "
+                         "lower on a blank page ('sent-low')")
     ap.add_argument("--seed0", type=int, default=800_000, help="first held-out seed (< 1,000,000)")
     ap.add_argument("--max-new-tokens", type=int, default=1500, help="per page")
     ap.add_argument("--json", help="also write the full record (all rows) here")
@@ -204,7 +223,21 @@ def main(argv=None) -> int:
             if args.verbose:
                 print(f"--- {kind} cer {sc.rows[-1]['cer']:.3f}\n{text}\n{res.text}\n", flush=True)
 
-    summary = {kind: sc.summary(kind) for kind in ("page", "chunk", "office", "sent-list", "sent-open")}
+    for k in range(args.sparse):
+        seed = args.seed0 + 30_000 + k
+        pdf, labels = make_document(seed, 1, kind="sparse")
+        res = official_generate(loaded, render_pages(pdf, RENDER_PX), "single", args.max_new_tokens)
+        sc.add("sparse", f"seed {seed}", res.text, labels[0], res.finish_reason, len(res.output_ids), res.seconds)
+        if args.verbose:
+            print(f"--- sparse seed {seed} cer {sc.rows[-1]['cer']:.3f}\n{labels[0]}\n{res.text}\n", flush=True)
+    for k, text in enumerate(OPEN_SENTENCES[: args.sparse]):
+        res = official_generate(loaded, render_pages(typed_sentence_pdf(text, 200 + 90 * k), RENDER_PX), "single", 200)
+        sc.add("sent-low", text, res.text.strip(), text, res.finish_reason, len(res.output_ids), res.seconds)
+        if args.verbose:
+            print(f"--- sent-low cer {sc.rows[-1]['cer']:.3f}\n{text}\n{res.text}\n", flush=True)
+
+    summary = {kind: sc.summary(kind)
+               for kind in ("page", "chunk", "office", "sent-list", "sent-open", "sparse", "sent-low")}
     if summary["chunk"]:
         summary["chunk"]["separated"] = f"{chunk_ok}/{args.chunks}"
     print(f"\nmodel {loaded.path} on {loaded.device} ({loaded.dtype}), {time.time() - t0:.0f}s")
