@@ -28,10 +28,10 @@ class PageStream(torch.utils.data.IterableDataset):
     seed_base + w, + w + n, ...; documents have 1-3 pages; difficulty is read from a shared value."""
 
     def __init__(self, tokenizer_json: str, size: int, scan_prob: float, seed_base: int, difficulty, kind="document",
-                 chars: bool = True, open_words: float = 0.0):
+                 chars: bool = True, open_words: float = 0.0, sparse: float = 0.0):
         self.tokenizer_json, self.size, self.scan_prob = tokenizer_json, size, scan_prob
         self.seed_base, self.difficulty, self.kind, self.chars = seed_base, difficulty, kind, chars
-        self.open_words = open_words
+        self.open_words, self.sparse = open_words, sparse
 
     def __iter__(self):
         from tokenizers import Tokenizer
@@ -45,12 +45,18 @@ class PageStream(torch.utils.data.IterableDataset):
             seed = self.seed_base + wid + nw * k
             k += 1
             d = float(self.difficulty.value)
+            kind = "sparse" if self.kind == "document" and sparse_document(seed, self.sparse) else self.kind
             for arr, label, grid, slots in page_arrays(seed, 1 + seed % 3, self.size, self.scan_prob * d, d,
-                                                       self.kind, chars=True, slots=True,
+                                                       kind, chars=True, slots=True,
                                                        open_words=self.open_words):
                 enc = tok.encode(label, add_special_tokens=False)
                 yield (torch.from_numpy(arr.copy()), torch.tensor(enc.ids, dtype=torch.int32),
                        char_tensor(grid, self.size), token_slots(enc.offsets, slots))
+
+
+def sparse_document(seed: int, share: float) -> bool:
+    """Whether training document `seed` is drawn as nearly empty pages (a fixed `share` of seeds)."""
+    return share > 0 and (seed * 2654435761 % 2**32) / 2**32 < share
 
 
 def put_until_stopped(q: queue.Queue, item, stop: threading.Event) -> bool:

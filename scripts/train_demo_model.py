@@ -278,7 +278,7 @@ def train(args) -> dict:
     difficulty = mp.Value("d", args.start_difficulty if state is None or state.get("curriculum") else 1.0)
     stream = PageStream(tokenizer.backend_tokenizer.to_str(), size, args.scan_prob,
                         HELD_OUT_LIMIT + args.seed * 100_000_000 + (state or {}).get("step", 0) * 1000, difficulty,
-                        args.kind, open_words=args.open_words)
+                        args.kind, open_words=args.open_words, sparse=args.sparse)
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
     loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=args.workers,
                                          prefetch_factor=8 if args.workers else None, multiprocessing_context=ctx,
@@ -548,6 +548,9 @@ def parse_args(argv=None):
     ap.add_argument("--curriculum-frac", type=float, default=0.4, help="difficulty reaches 1 at this share of time")
     ap.add_argument("--multi-frac", type=float, default=0.4, help="share of steps with 2-4 page samples")
     ap.add_argument("--scan-prob", type=float, default=0.2)
+    ap.add_argument("--sparse", type=float, default=0.0,
+                    help="share of training documents drawn as nearly empty pages (one to three elements anywhere, "
+                         "rarely a header): reading a lone line lower on a page (eval_demo_model.py --sparse)")
     ap.add_argument("--open-words", type=float, default=0.0,
                     help="share of training words replaced by pseudo-words no word list holds (the model must read "
                          "them letter by letter; eval_demo_model.py --sentences measures the gap); held-out "

@@ -142,3 +142,25 @@ def test_open_words_put_pseudo_words_on_the_page():
     assert all(w in layer.lower() for w in words if w not in listed)
     with pytest.raises(ValueError):
         make_document(1, 1, open_words=1.5)
+
+
+def test_sparse_pages_are_nearly_empty_and_only_a_share_of_training_documents():
+    """kind="sparse": one to three body elements anywhere on the page, no running header, deterministic; the
+    text layer holds the labels' words. `demo_data.sparse_document` draws a fixed share of training seeds."""
+    from scripts.demo_data import sparse_document
+
+    tops = []
+    for seed in range(50_000, 50_020):
+        pdf, labels = make_document(seed, 1, kind="sparse")
+        assert (pdf, labels) == make_document(seed, 1, kind="sparse")
+        els = _elements(labels[0])
+        body = [e for e in els if e[0] != "footer"]
+        assert 1 <= len(body) <= 3 and all(e[0] in {"text", "sub_title", "list"} for e in body), labels[0]
+        assert len(strip_markup(labels[0])) < 900
+        tops.append(body[0][2])
+        with pymupdf.open(stream=pdf, filetype="pdf") as doc:
+            layer = " ".join(doc[0].get_text().split())
+        assert strip_markup(body[0][5]).split()[0] in layer
+    assert min(tops) < 300 < max(tops)  # the first element is not always at the top
+    share = sum(sparse_document(s, 0.15) for s in range(HELD_OUT_LIMIT, HELD_OUT_LIMIT + 4000)) / 4000
+    assert 0.12 < share < 0.18 and not any(sparse_document(s, 0.0) for s in range(1000))

@@ -34,7 +34,8 @@ def _page_rng(seed: int, index: int) -> random.Random:
 def build_pages(seed: int, n_pages: int, difficulty: float = 1.0, kind: str = "document",
                 open_words: float = 0.0) -> tuple[pymupdf.Document, list[str]]:
     """An in-memory pymupdf document with a text layer, and the label of each page.
-    kind="words": one title of 1-3 big words a page (over-fit tests). open_words: share of words replaced by
+    kind="words": one title of 1-3 big words a page (over-fit tests); kind="sparse": nearly empty pages, one to
+    three elements anywhere on the page (`doc.PageBuilder.build_sparse`). open_words: share of words replaced by
     pseudo-words that no word list holds (`text.pseudo_word`); 0 keeps every seed's document as it was."""
     doc, labels, _, _ = _build(seed, n_pages, difficulty, kind, open_words)
     return doc, labels

@@ -286,6 +286,30 @@ class PageBuilder:
             self._add(el)
         return self.elements
 
+    def build_sparse(self) -> list[Element]:
+        """A nearly empty page (a cover, a note, the last lines of a letter): one to three elements anywhere on
+        it, a header or a page number only sometimes. Without such pages a model learns that text starts under a
+        header at the top and misses a lone line further down."""
+        s, rng = self.s, self.rng
+        W, H = s.page
+        left, right = s.margin, W - s.margin
+        y = rng.uniform(40, H * 0.75)
+        for _ in range(rng.randint(1, 3)):
+            kind = rng.choices(["text", "sub_title", "list"], weights=[6, 2, 1])[0]
+            el = getattr(self, {"text": "paragraph", "sub_title": "sub_title", "list": "listing"}[kind])(
+                left, y, right - left, rng.randint(30, 260))
+            if el.box[3] > H - 60:
+                break
+            self._add(el)
+            y = el.box[3] + rng.uniform(1.0, 12.0) * s.body
+            if y > H - 120:
+                break
+        if s.footer_kind and rng.random() < 0.3:
+            el = _place("footer", [str(self.page_no + 1)], self.regular, 10.0, left, H - rng.uniform(30, 50) - 10, 10,
+                        align=rng.choice(["center", "right"]), col_w=right - left)
+            self._add(el)
+        return self.elements
+
     def _add(self, el: Element) -> None:
         self.elements.append(el)
         self.chars += sum(len(ln.text) for ln in el.lines)
@@ -295,6 +319,8 @@ def layout_page(rng: random.Random, style: Style, page_no: int, n_pages: int, di
                 kind: str = "document"):
     if kind == "words":
         return words_page(rng, style)
+    if kind == "sparse":
+        return PageBuilder(rng, style, page_no, n_pages, difficulty).build_sparse()
     return PageBuilder(rng, style, page_no, n_pages, difficulty).build()
 
 
