@@ -1,6 +1,7 @@
 """What `fast` mode costs and saves, and what a lossless re-run after it costs, through the real pipeline.
 
-On N synthetic pages (scripts.synth.make_document, held-out seeds < 1,000,000, PDFs with a text layer), each
+On N synthetic pages (scripts.synth.make_document, held-out seeds < 1,000,000, PDFs with a text layer, or with
+``--scan`` image-only scan-like PDFs: no text layer, so no reference drafts, as with an archive's scans), each
 in its own ledger and folders under a temporary directory, with one model loaded once and shared:
 1. ``lossless``: a first run (intake, chunks, worker, outputs), timed;
 2. ``fast``: the same pages in a fresh ledger, timed; then the normalized edit distance of every page's text
@@ -48,14 +49,14 @@ def environment() -> dict:
     return env
 
 
-def write_documents(inbox: Path, n_pages: int, pages_per_doc: int, seed: int) -> list[Path]:
+def write_documents(inbox: Path, n_pages: int, pages_per_doc: int, seed: int, scan: bool = False) -> list[Path]:
     inbox.mkdir(parents=True, exist_ok=True)
     paths, left, k = [], n_pages, 0
     while left > 0:
         n = min(pages_per_doc, left)
         if not seed + k < HELD_OUT_LIMIT:
             raise ValueError(f"seed {seed + k} is not held out (must be < {HELD_OUT_LIMIT})")
-        pdf, _ = make_document(seed + k, n, scan=False)
+        pdf, _ = make_document(seed + k, n, scan=scan)
         path = inbox / f"synth-{seed + k}.pdf"
         path.write_bytes(pdf)
         paths.append(path)
@@ -161,6 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--pages", type=int, default=50)
     p.add_argument("--pages-per-doc", type=int, default=10)
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    p.add_argument("--scan", action="store_true", help="image-only scan-like PDFs (no text layer)")
     p.add_argument("--fast-threshold", type=float, default=0.3)
     p.add_argument("--max-pages-per-chunk", type=int, default=4,
                    help="engine.max_pages_per_chunk (4: the demo model was trained on 1-4 pages; 16 for the real one)")
@@ -192,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.tiny:
         torch.set_num_threads(1)
     make_decoder = decoder_factory(loaded, args)
-    pdfs = write_documents(work / "synthetic", args.pages, args.pages_per_doc, args.seed)
+    pdfs = write_documents(work / "synthetic", args.pages, args.pages_per_doc, args.seed, args.scan)
 
     lossless = first_pass(work / "lossless", args, "lossless", pdfs, make_decoder)
     fast = first_pass(work / "fast", args, "fast", pdfs, make_decoder)
@@ -206,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                                  "max_pages_per_chunk": args.max_pages_per_chunk,
                                                                  "max_tokens_per_page": args.max_tokens_per_page},
         "env": environment(), "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
-        "pages": len(keys), "seeds": [args.seed, args.seed + len(pdfs) - 1],
+        "pages": len(keys), "scan": args.scan, "seeds": [args.seed, args.seed + len(pdfs) - 1],
         "lossless": {k: round(lossless[k], 3) if isinstance(lossless[k], float) else lossless[k]
                      for k in ("wall_s", "decode_s", "tokens")},
         "fast": {k: round(fast[k], 3) if isinstance(fast[k], float) else fast[k] for k in ("wall_s", "decode_s", "tokens")},
