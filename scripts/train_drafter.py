@@ -123,8 +123,7 @@ def build_teacher(loaded, pages, outputs, layers, store_dtype=None):
 
 
 def build_label_teacher(loaded, pages, labels, layers, store_dtype=None):
-    """Label data (block_teacher.label_features) for synthetic pages, and the share of label tokens that are the
-    target's greedy choice."""
+    """Label data (block_teacher.label_features) for synthetic pages."""
     from tqdm import tqdm
 
     seqs = []
@@ -136,31 +135,28 @@ def build_label_teacher(loaded, pages, labels, layers, store_dtype=None):
 
 
 def label_agreement(seqs) -> float:
+    """Share of label tokens that are the target's own greedy choice after the label before them."""
     same = sum(sum(a == b for a, b in zip(s.output_ids[1:], s.next_ids)) for s in seqs)
     return same / max(1, sum(len(s.output_ids) - 1 for s in seqs))
 
 
 def sample_batch(windows_by_seq, rng, batch: int, anchors: int):
-    """batch // anchors pages, `anchors` anchors (windows) from each -> (picks [(sequence, t)], the chosen pages,
-    the batch page of each pick)."""
-    n_seq = max(1, batch // anchors)
-    chosen = [rng.randrange(len(windows_by_seq)) for _ in range(n_seq)]
-    picks, index = [], []
-    for j, s in enumerate(chosen):
-        for _ in range(anchors):
-            picks.append(windows_by_seq[s][rng.randrange(len(windows_by_seq[s]))])
-            index.append(j)
-    return picks, chosen, index
+    """batch // anchors pages, `anchors` anchors (windows) from each -> (picks [(sequence, t)], the sequence of
+    each batch page, the batch page of each pick)."""
+    chosen = [windows_by_seq[rng.randrange(len(windows_by_seq))] for _ in range(max(1, batch // anchors))]
+    picks = [windows[rng.randrange(len(windows))] for windows in chosen for _ in range(anchors)]
+    index = [j for j in range(len(chosen)) for _ in range(anchors)]
+    return picks, [windows[0][0] for windows in chosen], index
 
 
-def forward_batch(net, seqs, picks, chosen, index, embed, head):
+def forward_batch(net, seqs, picks, pages, index, embed, head):
+    """Logits and targets of a batch from `sample_batch`; the page memory is projected once per batch page."""
     c = net.config
     feats, last, targets = make_examples(seqs, picks, c.context, c.block, embed)
     dtype = next(net.parameters()).dtype
     memory = None
     if c.memory:
-        first = {j: picks[i][0] for i, j in reversed(list(enumerate(index)))}  # batch page j -> sequence
-        prompts = [seqs[first[j]].features[: seqs[first[j]].prompt_len] for j in range(len(chosen))]
+        prompts = [seqs[s].features[: seqs[s].prompt_len] for s in pages]
         lengths = [p.shape[0] for p in prompts]
         mem = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True)
         memory = net.encode_memory(mem.to(dtype), lengths, torch.tensor(index, device=mem.device))
@@ -181,8 +177,8 @@ def proxy_eval(net, loaded, seqs, max_examples: int = 4096, seed: int = 1) -> di
     hits = torch.zeros(c.block)
     n = 0
     while n < max_examples:
-        picks, chosen, index = sample_batch(by_seq, rng, 256, 16)
-        logits, targets = forward_batch(net, seqs, picks, chosen, index, embed, head)
+        picks, pages, index = sample_batch(by_seq, rng, 256, 16)
+        logits, targets = forward_batch(net, seqs, picks, pages, index, embed, head)
         ok = (logits.argmax(-1) == targets) & (targets != -100)
         lead = torch.cumprod(ok.int(), dim=1).bool()
         hits += lead.sum(0).float().cpu()
@@ -216,8 +212,8 @@ def train(net: BlockDrafterNet, loaded, seqs, steps: int | None, seconds: float 
         frac = step / total if total else elapsed / seconds
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
-        picks, chosen, index = sample_batch(by_seq, rng, batch, anchors)
-        logits, targets = forward_batch(net, seqs, picks, chosen, index, embed, head)
+        picks, pages, index = sample_batch(by_seq, rng, batch, anchors)
+        logits, targets = forward_batch(net, seqs, picks, pages, index, embed, head)
         loss = block_loss(logits, targets, c.loss_decay)
         opt.zero_grad(set_to_none=True)
         loss.backward()
