@@ -49,20 +49,37 @@ def environment() -> dict:
     return env
 
 
-def write_documents(inbox: Path, n_pages: int, pages_per_doc: int, seed: int, scan: bool = False) -> list[Path]:
+def write_documents(inbox: Path, n_pages: int, pages_per_doc: int, seed: int, scan: bool = False
+                    ) -> tuple[list[Path], dict]:
+    """The PDFs, and each page's label text keyed like the ledger's pages: (file name, page index from 0)."""
     inbox.mkdir(parents=True, exist_ok=True)
-    paths, left, k = [], n_pages, 0
+    paths, left, k, labels = [], n_pages, 0, {}
     while left > 0:
         n = min(pages_per_doc, left)
         if not seed + k < HELD_OUT_LIMIT:
             raise ValueError(f"seed {seed + k} is not held out (must be < {HELD_OUT_LIMIT})")
-        pdf, _ = make_document(seed + k, n, scan=scan)
+        pdf, page_labels = make_document(seed + k, n, scan=scan)
         path = inbox / f"synth-{seed + k}.pdf"
+        labels.update({(path.name, i): text for i, text in enumerate(page_labels)})
         path.write_bytes(pdf)
         paths.append(path)
         left -= n
         k += 1
-    return paths
+    return paths, labels
+
+
+def cer_to_labels(texts: dict, labels: dict) -> float:
+    """Character error rate of a pass's pages against the generator's labels (markup stripped, whitespace
+    collapsed): how close each pass is to the truth, not to the other pass."""
+    from scripts.demo_model import levenshtein
+    from scripts.synth import strip_markup
+
+    edits = chars = 0
+    for (name, i), text in texts.items():
+        ref = strip_markup(labels[(name, i - 1)])  # the ledger's page_index is 1-based
+        edits += levenshtein(strip_markup(text or ""), ref)
+        chars += len(ref)
+    return edits / max(1, chars)
 
 
 def make_settings(folder: Path, args: argparse.Namespace, mode: str):
@@ -194,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.tiny:
         torch.set_num_threads(1)
     make_decoder = decoder_factory(loaded, args)
-    pdfs = write_documents(work / "synthetic", args.pages, args.pages_per_doc, args.seed, args.scan)
+    pdfs, labels = write_documents(work / "synthetic", args.pages, args.pages_per_doc, args.seed, args.scan)
 
     lossless = first_pass(work / "lossless", args, "lossless", pdfs, make_decoder)
     fast = first_pass(work / "fast", args, "fast", pdfs, make_decoder)
@@ -219,6 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
         "fast_edit_distance_max": round(max(neds), 6) if neds else None,
         "fast_pages_over_0.05": sum(d > 0.05 for d in neds),
         "rerun_equals_lossless": all(same), "rerun_pages_equal": sum(same),
+        "cer_to_labels": {"lossless": round(cer_to_labels(lossless["texts"], labels), 5),
+                          "fast": round(cer_to_labels(fast["texts"], labels), 5)},
     }
     rows = [("lossless (first run)", lossless), ("fast (first run)", fast), ("lossless re-run after fast", again)]
     print(f"{'pass':<28} {'wall s':>9} {'decode s':>9} {'tokens':>8}")
@@ -227,7 +246,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"fast vs lossless: {record['speedup_fast_vs_lossless']}x, edit distance mean "
           f"{record['fast_edit_distance_mean']} max {record['fast_edit_distance_max']}; re-run "
           f"{record['rerun_share_of_lossless']} of lossless, text equal: {record['rerun_equals_lossless']} "
-          f"({record['rerun_pages_equal']}/{len(keys)} pages)")
+          f"({record['rerun_pages_equal']}/{len(keys)} pages); CER to the labels: lossless "
+          f"{record['cer_to_labels']['lossless']}, fast {record['cer_to_labels']['fast']}")
     line = json.dumps(record)
     if args.json:
         Path(args.json).write_text(line + "\n", encoding="utf-8")
