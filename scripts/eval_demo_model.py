@@ -134,14 +134,17 @@ def _ensure_loguru() -> None:
 
 
 class Scorer:
-    def __init__(self):
+    def __init__(self, progress=None):
         self.rows = []
+        self.progress = progress  # a tqdm bar advanced by one per row
 
     def add(self, kind, name, pred, ref, finish, tokens, seconds, note=""):
         p, r = strip_markup(pred), strip_markup(ref)
         edits = levenshtein(p, r)
         self.rows.append(dict(kind=kind, name=name, cer=edits / max(1, len(r)), edits=edits, chars=len(r),
                               finish=finish, tokens=tokens, seconds=seconds, note=note))
+        if self.progress is not None:
+            self.progress.update(1)
 
     def summary(self, kind):
         rows = [r for r in self.rows if r["kind"] == kind]
@@ -183,7 +186,11 @@ def main(argv=None) -> int:
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     global RENDER_PX
     RENDER_PX = max(RENDER_PX, loaded.processor.image_processor.size["height"])
-    sc = Scorer()
+    from tqdm import tqdm
+
+    rows = (args.pages + 4 * args.chunks + args.office + args.sentences + min(args.sentences, len(OPEN_SENTENCES))
+            + args.sparse + min(args.sparse, len(OPEN_SENTENCES)))
+    sc = Scorer(tqdm(total=rows, desc="evaluating", unit="page", leave=False))
     chunk_ok = 0
     t0 = time.time()
     for k in range(args.pages):
@@ -236,6 +243,7 @@ def main(argv=None) -> int:
         if args.verbose:
             print(f"--- sent-low cer {sc.rows[-1]['cer']:.3f}\n{text}\n{res.text}\n", flush=True)
 
+    sc.progress.close()
     summary = {kind: sc.summary(kind)
                for kind in ("page", "chunk", "office", "sent-list", "sent-open", "sparse", "sent-low")}
     if summary["chunk"]:
