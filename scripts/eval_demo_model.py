@@ -193,13 +193,17 @@ def main(argv=None) -> int:
     sc = Scorer(tqdm(total=rows, desc="evaluating", unit="page", leave=False))
     chunk_ok = 0
     t0 = time.time()
+
+    def read_page(kind: str, name: str, pdf: bytes, ref: str, limit: int) -> None:
+        """Decode a one-page PDF on the official path and score it against `ref`."""
+        res = official_generate(loaded, render_pages(pdf, RENDER_PX), "single", limit)
+        sc.add(kind, name, res.text.strip(), ref, res.finish_reason, len(res.output_ids), res.seconds)
+        if args.verbose:
+            print(f"--- {kind} {name} cer {sc.rows[-1]['cer']:.3f}\n{ref}\n{res.text}\n", flush=True)
+
     for k in range(args.pages):
         pdf, labels = make_document(args.seed0 + k, 1)
-        res = official_generate(loaded, render_pages(pdf, RENDER_PX), "single", args.max_new_tokens)
-        sc.add("page", f"seed {args.seed0 + k}", res.text, labels[0], res.finish_reason, len(res.output_ids),
-               res.seconds)
-        if args.verbose:
-            print(f"--- seed {args.seed0 + k} cer {sc.rows[-1]['cer']:.3f}\n{res.text}\n", flush=True)
+        read_page("page", f"seed {args.seed0 + k}", pdf, labels[0], args.max_new_tokens)
     for k in range(args.chunks):
         seed = args.seed0 + 10_000 + k
         pdf, labels = make_document(seed, 4)
@@ -217,31 +221,17 @@ def main(argv=None) -> int:
                    len(res.output_ids), res.seconds, note=f"{len(pages)} pages")
     for k in range(args.office):
         pdf, text = office_pdf(k)
-        res = official_generate(loaded, render_pages(pdf, RENDER_PX), "single", args.max_new_tokens)
-        sc.add("office", f"office {k}", res.text, text, res.finish_reason, len(res.output_ids), res.seconds)
-        if args.verbose:
-            print(f"--- office {k} cer {sc.rows[-1]['cer']:.3f}\n{res.text}\n", flush=True)
-
+        read_page("office", f"office {k}", pdf, text, args.max_new_tokens)
     for kind, texts in (("sent-list", list_sentences(args.sentences, args.seed0 + 20_000)),
                         ("sent-open", OPEN_SENTENCES[: args.sentences])):
         for text in texts:
-            res = official_generate(loaded, render_pages(sentence_pdf(text), RENDER_PX), "single", 200)
-            sc.add(kind, text, res.text.strip(), text, res.finish_reason, len(res.output_ids), res.seconds)
-            if args.verbose:
-                print(f"--- {kind} cer {sc.rows[-1]['cer']:.3f}\n{text}\n{res.text}\n", flush=True)
-
+            read_page(kind, text, sentence_pdf(text), text, 200)
     for k in range(args.sparse):
         seed = args.seed0 + 30_000 + k
         pdf, labels = make_document(seed, 1, kind="sparse")
-        res = official_generate(loaded, render_pages(pdf, RENDER_PX), "single", args.max_new_tokens)
-        sc.add("sparse", f"seed {seed}", res.text, labels[0], res.finish_reason, len(res.output_ids), res.seconds)
-        if args.verbose:
-            print(f"--- sparse seed {seed} cer {sc.rows[-1]['cer']:.3f}\n{labels[0]}\n{res.text}\n", flush=True)
+        read_page("sparse", f"seed {seed}", pdf, labels[0], args.max_new_tokens)
     for k, text in enumerate(OPEN_SENTENCES[: args.sparse]):
-        res = official_generate(loaded, render_pages(typed_sentence_pdf(text, 200 + 90 * k), RENDER_PX), "single", 200)
-        sc.add("sent-low", text, res.text.strip(), text, res.finish_reason, len(res.output_ids), res.seconds)
-        if args.verbose:
-            print(f"--- sent-low cer {sc.rows[-1]['cer']:.3f}\n{text}\n{res.text}\n", flush=True)
+        read_page("sent-low", text, typed_sentence_pdf(text, 200 + 90 * k), text, 200)
 
     sc.progress.close()
     summary = {kind: sc.summary(kind)
