@@ -4,6 +4,12 @@
     python3 scripts/train_drafter.py --model models/demo --minutes 12                 # synthetic scan-like pages
     python3 scripts/train_drafter.py --model models/Unlimited-OCR --images my_scans/ --minutes 30
     python3 scripts/train_drafter.py --tiny --steps 40 --pages 3 --max-new-tokens 80   # CPU smoke run
+    python3 scripts/train_drafter.py --model models/demo --init models/demo/drafter --page-seed 1100000 --lr 5e-4
+    python3 scripts/train_drafter.py --model models/demo --eval-only --eval-pages 30   # live check of <model>/drafter
+
+How models/demo/drafter was made (one H200, session 11): 4 minutes on 2,500 label pages, then 3.5 minutes more
+from it (`--init`) on 2,000 new ones (`--page-seed 1100000 --lr 5e-4`); both with `--workers 15 --batch 512
+--anchors 16`; docs/benchmarks.md has the figures.
 
 1. Pages: your own (`--images DIR`: PDFs, TIFFs, PNGs, JPEGs, rendered as uflash renders them) or synthetic
    image-only pages (`scripts.synth`, scan effects, training seeds >= 1,000,000; `--workers` render them).
@@ -18,7 +24,8 @@
    block positions; AdamW, cosine schedule. Each batch takes `--anchors` anchors from each of its pages.
 4. Held-out pages (`--heldout-pages`, label data, seeds < 1,000,000): teacher-forced acceptance by block
    position and the tau it implies (leading drafts that match the target's greedy chain), logged while training.
-5. Saved to `<model>/drafter` (or `--out`): uflash's lossless and fast modes use it from then on.
+5. Saved to `<model>/drafter` (or `--out`): uflash's lossless and fast modes use it from then on. `--init FOLDER`
+   continues training a saved drafter (its shape and target layers), e.g. on new pages (`--page-seed`).
 6. Live check (`--eval-pages`): `lossless` with the block drafter alone against `plain` on pages never trained
    on, both on the fast path: token-identical, tau, acceptance by position, speed ratio.
 Prints a table, then one JSON line.
@@ -40,6 +47,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 from engine.drafters.block import BlockDrafterConfig, BlockDrafterNet, block_loss, drafter_folder  # noqa: E402
 from engine.drafters.block_teacher import (label_features, make_examples, teacher_features,  # noqa: E402
@@ -57,7 +65,6 @@ def _synthetic_page(seed: int):
 
 def synthetic_pages(n: int, seed0: int, workers: int = 0) -> tuple[list, list[str]]:
     """n image-only synthetic pages (seeds seed0 ..) and their labels, rendered by `workers` processes."""
-    from tqdm import tqdm
 
     seeds = range(seed0, seed0 + n)
     if workers > 1:
@@ -98,7 +105,6 @@ def folder_pages(folder: Path, limit: int) -> list:
 
 def decode_plain(loaded, pages: list, max_new_tokens: int, desc: str) -> list[list[int]]:
     """The target's own greedy outputs, on the engine's fast path (CUDA graphs on a GPU)."""
-    from tqdm import tqdm
 
     from engine.fast_decoder import FastDecoder
 
@@ -111,7 +117,6 @@ def label_ids(loaded, label: str) -> list[int]:
 
 
 def build_teacher(loaded, pages, outputs, layers, store_dtype=None):
-    from tqdm import tqdm
 
     seqs = []
     for page, ids in tqdm(list(zip(pages, outputs)), desc="teacher features", unit="page"):
@@ -124,7 +129,6 @@ def build_teacher(loaded, pages, outputs, layers, store_dtype=None):
 
 def build_label_teacher(loaded, pages, labels, layers, store_dtype=None):
     """Label data (block_teacher.label_features) for synthetic pages."""
-    from tqdm import tqdm
 
     seqs = []
     for page, label in tqdm(list(zip(pages, labels)), desc="teacher features (labels)", unit="page"):
@@ -241,25 +245,38 @@ def train(net: BlockDrafterNet, loaded, seqs, steps: int | None, seconds: float 
     return out
 
 
-def evaluate(loaded, net, pages, max_new_tokens: int, k_max: int) -> dict:
-    """lossless with the block drafter alone vs plain on the same pages, side by side."""
+def evaluate(loaded, net, pages, max_new_tokens: int, k_max: int, moe: str = "auto") -> dict:
+    """lossless with the block drafter alone vs plain on the same pages, side by side (moe: the static step's
+    routed-expert implementation, `engine.static_moe`)."""
     from engine.fast_decoder import FastDecoder
 
-    plain = FastDecoder(loaded, mode="plain")
-    spec = FastDecoder(loaded, mode="lossless", k_max=k_max, drafters=("block",), block_net=net)
+    plain = FastDecoder(loaded, mode="plain", moe=moe)
+    spec = FastDecoder(loaded, mode="lossless", k_max=k_max, drafters=("block",), block_net=net, moe=moe)
     rows, identical = [], 0
-    for page in pages:
+    for page in tqdm(pages, desc="live check (plain, lossless+block)", unit="page"):
         a = plain.generate([page], max_new_tokens)
         b = spec.generate([page], max_new_tokens)
         identical += a.output_ids == b.output_ids
         s = b.extra["speculative"]
+        p = a.extra["speculative"]
         rows.append({"tokens": len(b.output_ids), "plain_s": a.seconds, "block_s": b.seconds, "tau": s["tau"],
-                     "draft_share": s["draft_share"],
+                     "draft_share": s["draft_share"], "rounds": s["verify_rounds"], "singles": s["single_steps"],
+                     "draft_s": s["draft_s"], "verify_s": s["verify_s"], "single_s": s["single_s"],
+                     "plain_steps": p["single_steps"], "plain_step_s": p["single_s"],
                      "by_position": s["drafters"].get("block", {}).get("acceptance_by_position", [])})
     n = len(rows)
+
+    def ms(num: str, den: str) -> float:
+        return round(1000 * sum(r[num] for r in rows) / max(1, sum(r[den] for r in rows)), 3)
+
     return {"pages": n, "identical": identical, "tau_mean": round(sum(r["tau"] for r in rows) / n, 3),
             "speedup_vs_plain": round(sum(r["plain_s"] for r in rows) / sum(r["block_s"] for r in rows), 3),
+            "plain_s": round(sum(r["plain_s"] for r in rows), 2), "block_s": round(sum(r["block_s"] for r in rows), 2),
             "draft_share": round(sum(r["draft_share"] for r in rows) / n, 4),
+            # where a round's time goes: ms per plain step, per draft, per verify round, per single step
+            "ms_plain_step": ms("plain_step_s", "plain_steps"), "ms_draft": ms("draft_s", "rounds"),
+            "ms_verify_round": ms("verify_s", "rounds"), "ms_single_step": ms("single_s", "singles"),
+            "backend": b.extra["speculative"].get("backend", "eager"), "moe": b.extra["speculative"].get("moe"),
             "acceptance_by_position": _mean_lists([r["by_position"] for r in rows])}
 
 
@@ -276,6 +293,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="drafter folder (default: <model>/drafter)")
     ap.add_argument("--images", help="train on the pages of the PDFs/images in this folder instead of synthetic ones")
     ap.add_argument("--pages", type=int, default=200, help="training pages")
+    ap.add_argument("--page-seed", type=int, default=1_000_000,
+                    help="seed of the first synthetic training page (>= 1,000,000; a fresh range to continue on "
+                         "new pages)")
+    ap.add_argument("--init", help="start from this drafter folder (its shape; --block, --dim .. are ignored)")
+    ap.add_argument("--eval-only", action="store_true",
+                    help="no training: the live check (--eval-pages) of --init (default: <model>/drafter)")
     ap.add_argument("--data", choices=("auto", "labels", "decode"), default="auto",
                     help="teacher data: the target's decode, or the synthetic pages' labels (auto: labels for "
                          "synthetic pages, decode for --images)")
@@ -298,6 +321,8 @@ def main(argv=None) -> int:
     ap.add_argument("--anchors", type=int, default=16, help="anchors per page in a batch")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--moe", default="auto", help="live check: the static step's routed-expert implementation "
+                    "(auto, gather, grouped, dense, mixed; engine/static_moe.py)")
     ap.add_argument("--json", help="also write the record here")
     args = ap.parse_args(argv)
     if not args.model and not args.tiny:
@@ -305,6 +330,10 @@ def main(argv=None) -> int:
     data = args.data if args.data != "auto" else ("decode" if args.images else "labels")
     if data == "labels" and args.images:
         ap.error("--data labels needs synthetic pages (your own pages have no labels): leave out --images")
+    if args.page_seed < 1_000_000:
+        ap.error("--page-seed must be >= 1,000,000 (lower seeds are the held-out pages)")
+    if args.eval_only and not args.eval_pages:
+        ap.error("--eval-only needs --eval-pages N")
 
     from engine.model import load_model
 
@@ -320,13 +349,31 @@ def main(argv=None) -> int:
     text_cfg = loaded.model.config.text_config
     layers = [int(x) for x in args.layers.split(",")] if args.layers else \
         BlockDrafterConfig.default_layers(text_cfg.num_hidden_layers)
+    init = None
+    if args.init and not args.eval_only:
+        init = BlockDrafterNet.load(args.init)
+        layers = list(init.config.layers)  # the teacher features it was made for
     store = torch.bfloat16 if loaded.device.type == "cuda" else None  # teacher features kept on the GPU
+    if args.eval_only:
+        folder = Path(args.init) if args.init else drafter_folder(args.model)
+        net = BlockDrafterNet.load(folder, loaded.device, loaded.dtype)
+        held, _ = synthetic_pages(args.eval_pages, 850_000, args.workers)
+        record = {"model": str(args.model), "drafter": str(folder),
+                  "eval": evaluate(loaded, net, held, args.max_new_tokens, k_max=net.config.block, moe=args.moe)}
+        ev = record["eval"]
+        print(f"{'pages':>6} {'identical':>9} {'tau':>6} {'speedup':>8} {'ms plain':>9} {'ms draft':>9} {'ms verify':>10}")
+        print(f"{ev['pages']:>6} {ev['identical']:>9} {ev['tau_mean']:>6.2f} {ev['speedup_vs_plain']:>8.2f} "
+              f"{ev['ms_plain_step']:>9.3f} {ev['ms_draft']:>9.3f} {ev['ms_verify_round']:>10.3f}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(record, indent=1))
+        print(json.dumps(record))
+        return 0
     t0 = time.time()
     labels = None
     if args.images:
         pages = folder_pages(Path(args.images), args.pages)
     else:
-        pages, labels = synthetic_pages(args.pages, 1_000_000, args.workers)
+        pages, labels = synthetic_pages(args.pages, args.page_seed, args.workers)
     render_s = time.time() - t0
     if data == "decode":
         outputs = decode_plain(loaded, pages, args.max_new_tokens, "decoding (plain)")
@@ -341,11 +388,16 @@ def main(argv=None) -> int:
         h_pages, h_labels = synthetic_pages(args.heldout_pages, 800_000, args.workers)  # held-out seeds
         heldout = build_label_teacher(loaded, h_pages, h_labels, layers, store)
     context = min(args.context, min(s.prompt_len for s in seqs))
-    config = BlockDrafterConfig(target_hidden=text_cfg.hidden_size, layers=layers, block=args.block, context=context,
-                                dim=args.dim, num_layers=args.drafter_layers, memory=args.memory,
-                                meta={"model": str(args.model), "pages": len(pages), "data": data,
-                                      "source": args.images or "synthetic scan-like pages"})
-    net = BlockDrafterNet(config).to(loaded.device)
+    if init is not None:
+        net = init.to(loaded.device).requires_grad_(True)
+        net.config.meta = {**net.config.meta, "pages": net.config.meta.get("pages", 0) + len(pages),
+                           "continued_from": str(args.init)}
+    else:
+        config = BlockDrafterConfig(target_hidden=text_cfg.hidden_size, layers=layers, block=args.block,
+                                    context=context, dim=args.dim, num_layers=args.drafter_layers, memory=args.memory,
+                                    meta={"model": str(args.model), "pages": len(pages), "data": data,
+                                          "source": args.images or "synthetic scan-like pages"})
+        net = BlockDrafterNet(config).to(loaded.device)
     if loaded.dtype != torch.float32:
         net = net.to(loaded.dtype)
     fit = train(net, loaded, seqs, args.steps, args.minutes * 60 if not args.steps else None, args.batch, args.lr,
@@ -353,16 +405,19 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else drafter_folder(args.model)
     net.requires_grad_(False)
     net.save(out)
+    c = net.config
     record = {"model": str(args.model), "out": str(out), "pages": len(pages), "data": data, "layers": layers,
-              "block": args.block, "context": context, "memory": args.memory,
+              "block": c.block, "context": c.context, "memory": c.memory, "init": args.init,
               "params": sum(p.numel() for p in net.parameters()),
               "tokens": sum(len(s.output_ids) for s in seqs), "render_s": round(render_s, 1),
               "decode_s": round(decode_s, 1), "teacher_s": round(teacher_s, 1), **fit}
     if data == "labels":
         record["label_agreement"] = round(label_agreement(seqs), 4)
+    if args.json:
+        Path(args.json).write_text(json.dumps(record, indent=1))  # kept if the live check is cut short
     if args.eval_pages:
         held, _ = synthetic_pages(args.eval_pages, 850_000, args.workers)  # held-out seeds (< 1,000,000)
-        record["eval"] = evaluate(loaded, net, held, args.max_new_tokens, k_max=args.block)
+        record["eval"] = evaluate(loaded, net, held, args.max_new_tokens, k_max=c.block, moe=args.moe)
     print(f"{'pages':>6} {'tokens':>7} {'steps':>6} {'loss first':>10} {'loss last':>9} {'tf tau':>7} {'tau':>6} "
           f"{'speedup':>8}")
     ev = record.get("eval", {})

@@ -58,6 +58,12 @@ def _forward(loaded: LoadedModel, images: list, output_ids: list[int], layers: l
     return prompt_ids, P, torch.cat([kept[i][0] for i in layers], dim=-1), logits
 
 
+def _greedy(raw_choice: int, row: torch.Tensor, banned: set[int]) -> int:
+    """The greedy token of one row given its unbanned argmax: the bans change the choice only when they hit the
+    argmax itself (masking other ids cannot move the first maximum), so the row is read again only then."""
+    return greedy_token(row, banned) if raw_choice in banned else raw_choice
+
+
 @torch.inference_mode()
 def label_features(loaded: LoadedModel, images: list, label_ids: list[int], layers: list[int]) -> TeacherSequence:
     """Features along a page's label tokens (end with EOS), and the target's greedy choice at every position
@@ -67,10 +73,12 @@ def label_features(loaded: LoadedModel, images: list, label_ids: list[int], laye
     kind = "single" if len(images) == 1 else "multi"
     prompt_ids, P, features, logits = _forward(loaded, images, label_ids, layers)
     rule = NoRepeatNgramRule(*official_rule(loaded, kind), prompt_ids)
+    rows = logits[P : P + len(label_ids)]
+    raw = rows.argmax(-1).tolist()  # one device sync for the page, not one per token
     next_ids = []
     for t, token in enumerate(label_ids):
         rule.extend([token])
-        next_ids.append(greedy_token(logits[P + t], rule.banned()))
+        next_ids.append(_greedy(raw[t], rows[t], rule.banned()))
     return TeacherSequence(features=features, output_ids=list(label_ids), prompt_len=P, next_ids=next_ids)
 
 
@@ -85,8 +93,10 @@ def teacher_features(loaded: LoadedModel, images: list, output_ids: list[int], l
     prompt_ids, P, features, logits = _forward(loaded, images, output_ids, layers)
     if check:
         rule = NoRepeatNgramRule(*official_rule(loaded, kind), prompt_ids)
+        rows = logits[P - 1 : P - 1 + len(output_ids)]
+        raw = rows.argmax(-1).tolist()
         for t, token in enumerate(output_ids):
-            choice = greedy_token(logits[P - 1 + t], rule.banned())
+            choice = _greedy(raw[t], rows[t], rule.banned())
             if choice != token:
                 raise TeacherMismatch(f"output token {t}: the R-SWA forward chooses {choice}, the decode had {token}")
             rule.extend([token])
