@@ -28,6 +28,7 @@ from loguru import logger
 from engine.cuda_graphs import GraphCaptureError, StepGraphs, cuda_graphs_available
 from engine.drafters import Drafter
 from engine.drafters.block import BlockDrafter
+from engine.drafters.block_static import StaticBlockDrafter
 from engine.drafters.policy import DraftPolicy
 from engine.model import LoadedModel
 from engine.ngram_rule import NoRepeatNgramRule, greedy_token
@@ -61,6 +62,7 @@ class FastDecoder(SpeculativeDecoder):
         self.drafter_factory = drafter_factory
         self.fallback_reason: str | None = None
         self.static: StaticRswaRunner | None = None
+        self.static_block: StaticBlockDrafter | None = None  # the block drafter on static buffers (graphs on CUDA)
         if backend == "auto":
             ok, why = cuda_graphs_available()
             on_cuda = loaded.device.type == "cuda"
@@ -77,6 +79,10 @@ class FastDecoder(SpeculativeDecoder):
             self.static = StaticRswaRunner(loaded.model, k_max + 1, moe=moe, prefix_capacity=prefix_capacity,
                                            attn=attn, capture_layers=layers, compile_step=compile_step)
             self.moe = self.static.moe
+            if block:
+                model = loaded.model
+                self.static_block = StaticBlockDrafter(self.block_net, model.get_input_embeddings(), model.lm_head,
+                                                       graphs=backend == "graphs")
         if backend == "graphs":
             try:
                 self.static.graphs = StepGraphs(self.static.body, loaded.device)
@@ -91,7 +97,7 @@ class FastDecoder(SpeculativeDecoder):
         self.fallback_reason = f"{type(exc).__name__}: {exc}"
         logger.opt(exception=exc).warning("fast path ({}) disabled, decoding with the eager engine from now on: {}",
                                           self.backend, self.fallback_reason)
-        self.backend, self.static = "eager", None
+        self.backend, self.static, self.static_block = "eager", None, None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -100,7 +106,11 @@ class FastDecoder(SpeculativeDecoder):
             return []
         if self.drafter_factory is not None:
             return self.drafter_factory(kind, reference_texts, replay_ids)
-        return super()._drafters(kind, reference_texts, replay_ids)
+        drafters = super()._drafters(kind, reference_texts, replay_ids)
+        if self.static_block is not None:  # the static path: the same network, drafting by graph replay
+            self.static_block.start()
+            drafters = [self.static_block if isinstance(d, BlockDrafter) else d for d in drafters]
+        return drafters
 
     def generate(self, images: list, max_new_tokens: int, reference_texts: list[str] | None = None,
                  replay_ids: list[int] | None = None) -> DecodeResult:
@@ -123,7 +133,7 @@ class FastDecoder(SpeculativeDecoder):
         rule = NoRepeatNgramRule(*self._rules[kind], prompt_ids)
         logits = runner.prefill(inputs)
         drafters = self._drafters(kind, reference_texts, replay_ids)
-        block = next((d for d in drafters if isinstance(d, BlockDrafter)), None)
+        block = next((d for d in drafters if d.name == "block"), None)
         if block:
             block.feed(runner.features)
         output = [greedy_token(logits, rule.banned())]

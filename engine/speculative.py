@@ -75,11 +75,15 @@ class SpeculativeDecoder:
     ``replay`` (needs replay_ids), ``markup`` (box-header punctuation), ``ngram`` (always available), ``block``
     (needs ``block_net``, a trained `BlockDrafterNet` for this target; the runner then keeps the features it
     needs on every forward).
+    block_beside_copies: False (default): a chunk with a full copy source (replay ids, or a text layer on every
+    page) decodes without the block drafter. The copy drafters alone were faster there (issue 5's CPU benchmark,
+    20 text-layer pages: 4.26x official alone, 3.39x with the block drafter asked too); it serves pages with
+    nothing to copy.
     """
 
     def __init__(self, loaded: LoadedModel, mode: str = "lossless", k_max: int = 16,
                  drafters: tuple[str, ...] = DRAFTERS, fast_threshold: float = DEFAULT_FAST_THRESHOLD,
-                 block_net: BlockDrafterNet | None = None):
+                 block_net: BlockDrafterNet | None = None, block_beside_copies: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         unknown = set(drafters) - set(DRAFTERS)
@@ -91,6 +95,7 @@ class SpeculativeDecoder:
             raise ValueError("fast_threshold must be in (0, 1]")
         self.fast_threshold = fast_threshold
         self.block_net = block_net
+        self.block_beside_copies = block_beside_copies
         if block_net is not None and block_net.config.target_hidden != loaded.model.config.text_config.hidden_size:
             raise ValueError(f"the block drafter was made for hidden size {block_net.config.target_hidden}, the "
                              f"model has {loaded.model.config.text_config.hidden_size}")
@@ -188,10 +193,17 @@ class SpeculativeDecoder:
                 drafters.append(MarkupDrafter(self.loaded.tokenizer))
             elif name == "ngram":
                 drafters.append(NgramDrafter())
-            elif name == "block" and self.block_net is not None:
+            elif name == "block" and self.block_net is not None and (
+                    self.block_beside_copies or not self._copy_source(reference_texts, replay_ids)):
                 model = self.loaded.model
                 drafters.append(BlockDrafter(self.block_net, model.get_input_embeddings(), model.lm_head))
         return drafters
+
+    def _copy_source(self, reference_texts: list[str] | None, replay_ids: list[int] | None) -> bool:
+        """A configured copy drafter has something for every page of the chunk."""
+        if replay_ids and "replay" in self.drafter_names:
+            return True
+        return bool(reference_texts) and "reference" in self.drafter_names and all(t.strip() for t in reference_texts)
 
     def _active_names(self) -> list[str]:
         return [n for n in self.drafter_names if n != "block" or self.block_net is not None]

@@ -11,6 +11,7 @@ import torch
 
 from engine.chunk_decode import load_decoder
 from engine.drafters.block import BlockDrafter, BlockDrafterConfig, BlockDrafterNet
+from engine.drafters.block_static import StaticBlockDrafter
 from engine.drafters.block_teacher import TeacherMismatch, label_features, make_examples, teacher_features
 from engine.drafters.policy import DraftPolicy
 from engine.model import load_model
@@ -66,7 +67,8 @@ def test_lossless_with_the_block_drafter_is_token_identical_and_fed_the_rswa_fea
     net = _net(tiny, memory=memory)
     # replay drafts right at every other token: rounds accept 0, 1 or several tokens, so every feed size occurs
     replay = [t if i % 3 else (t + 5) % vocab for i, t in enumerate(official)]
-    dec = Recording(tiny, mode="lossless", k_max=6, drafters=("block", "replay"), block_net=net)
+    dec = Recording(tiny, mode="lossless", k_max=6, drafters=("block", "replay"), block_net=net,
+                    block_beside_copies=True)
     res = dec.generate(pages, LENGTH, replay_ids=replay)
     assert res.output_ids == official
     stats = res.extra["speculative"]["drafters"]
@@ -153,17 +155,51 @@ def test_the_static_runner_feeds_the_block_drafter_the_same_features(tiny):
             return seen["drafters"]
 
     dec = RecordingFast(tiny, mode="lossless", k_max=6, drafters=("block", "replay"), block_net=net,
-                        backend="static")
+                        backend="static", block_beside_copies=True)
     res = dec.generate(pages, LENGTH, replay_ids=replay)
     assert res.extra["speculative"]["backend"] == "static"
     assert res.output_ids == official
     assert res.extra["speculative"]["drafters"]["block"]["rounds"] > 0
-    block = next(d for d in seen["drafters"] if isinstance(d, BlockDrafter))
+    block = next(d for d in seen["drafters"] if d.name == "block")
+    assert isinstance(block, StaticBlockDrafter)  # the static path drafts from static buffers
     teacher = teacher_features(tiny, pages, official, net.config.layers)
     end = teacher.prompt_len + len(official) - 1
     assert block.fed == end
-    assert torch.allclose(block._buffer, teacher.features[end - net.config.context : end], atol=1e-4)
-    _assert_memory_is_the_prompt(block, net, teacher)
+    assert torch.allclose(block.ctx[0], teacher.features[end - net.config.context : end], atol=1e-4)
+    P = teacher.prompt_len
+    memory = block._memory[block.bucket]
+    assert block.bucket >= P and memory.allowed[0, 0, 0].tolist() == [True] * P + [False] * (block.bucket - P)
+    expected = net.encode_memory(teacher.features[None, :P])
+    for (k, v), (ek, ev) in zip(memory.kv, expected.kv):
+        assert torch.allclose(k[:, :, :P], ek, atol=1e-4) and torch.allclose(v[:, :, :P], ev, atol=1e-4)
+        assert not k[:, :, P:].any() and not v[:, :, P:].any()
+
+
+@pytest.mark.parametrize("memory", [False, True])
+def test_the_static_block_drafter_drafts_what_the_eager_one_drafts(tiny, memory):
+    """Same network, same feeds (the prompt, then rounds of 1, 2, 5 and 40 inputs): the static-buffer drafter
+    (padded page memory, context shifted in place) proposes the eager drafter's tokens, decode after decode."""
+    net = _net(tiny, context=16, block=6, memory=memory)
+    model = tiny.model
+    embed, head = model.get_input_embeddings(), model.lm_head
+    static = StaticBlockDrafter(net, embed, head, graphs=False, memory_bucket=64)
+    width = len(net.config.layers) * model.config.text_config.hidden_size
+    gen = torch.Generator().manual_seed(3)
+    for prompt_len in (70, 128):  # a padded bucket, then one that fits exactly: state is reset between decodes
+        eager = BlockDrafter(net, embed, head)
+        static.start()
+        ids = [5]
+        feeds = [prompt_len, 1, 2, 5, 40, 1]
+        for n in feeds:
+            features = torch.randn(n, width, generator=gen)
+            eager.feed(features)
+            static.feed(features)
+            if n != prompt_len:
+                ids += [(7 * len(ids)) % 50 + 1 for _ in range(n)]
+            want = eager.propose(ids, 6)
+            assert want and static.propose(ids, 6) == want
+            assert static.propose(ids, 3) == want[:3]
+        assert static.bucket == (128 if memory else 0) and torch.equal(static.ctx[0], eager._buffer)
 
 
 def test_label_data_follows_the_greedy_chain_and_cuts_blocks_where_the_label_leaves_it(tiny):
@@ -183,3 +219,58 @@ def test_label_data_follows_the_greedy_chain_and_cuts_blocks_where_the_label_lea
     _, _, targets = make_examples([seq], [(0, 26)], 8, 6, embed)
     # anchor 26 drafts o_27 .. o_32: o_27 .. o_30 are the target's (o_30 its own choice, not the label's), then cut
     assert targets[0].tolist() == ids[27:31] + [-100, -100]
+
+
+def test_teacher_greedy_reads_a_row_again_only_when_the_ban_hits_its_argmax():
+    from engine.drafters.block_teacher import _greedy
+
+    row = torch.tensor([0.1, 3.0, 3.0, 2.0])  # ties: the first maximum, as generate() takes it
+    assert _greedy(int(row.argmax()), row, set()) == 1
+    assert _greedy(int(row.argmax()), row, {2, 3}) == 1  # bans elsewhere leave the first maximum alone
+    assert _greedy(int(row.argmax()), row, {1}) == 2  # the argmax banned: the next best, first on ties
+    assert _greedy(int(row.argmax()), row, {1, 2}) == 3
+
+
+def test_policy_skips_a_capped_drafter_that_could_not_win_the_round():
+    class Copy:
+        name = "copy"
+
+        def __init__(self):
+            self.length = 0
+
+        def propose(self, committed, k):
+            return [1] * min(k, self.length)
+
+    class Costly:
+        name = "block"
+        max_draft = 4
+
+        def __init__(self):
+            self.asked = 0
+
+        def propose(self, committed, k):
+            self.asked += 1
+            return [2] * min(k, self.max_draft)
+
+    copy, costly = Copy(), Costly()
+    policy = DraftPolicy([copy, costly], k_max=16)
+    copy.length = 6  # longer than the block could ever be: its forward is skipped
+    assert policy.propose([0], 16) == ("copy", [1] * 6) and costly.asked == 0
+    copy.length = 4  # as long as its cap: a tie goes to the first anyway
+    assert policy.propose([0], 16) == ("copy", [1] * 4) and costly.asked == 0
+    copy.length = 3
+    assert policy.propose([0], 16) == ("block", [2] * 4) and costly.asked == 1
+    assert policy.propose([0], 2) == ("copy", [1] * 2) and costly.asked == 1  # room 2: the copy's 2 already do
+
+
+def test_chunks_with_a_full_copy_source_decode_without_the_block_drafter(tiny):
+    """Default: a text layer on every page (or replay ids) leaves the block network out; a chunk with a page
+    that has nothing to copy keeps it."""
+    net = _net(tiny)
+    dec = SpeculativeDecoder(tiny, mode="lossless", block_net=net)
+    names = lambda texts, replay=None: [d.name for d in dec._drafters("multi", texts, replay)]  # noqa: E731
+    assert "block" not in names(["page one text", "page two text"])
+    assert "block" not in names(None, [1, 2, 3])
+    assert "block" in names(["page one text", "  "]) and "block" in names(None)
+    both = SpeculativeDecoder(tiny, mode="lossless", block_net=net, block_beside_copies=True)
+    assert "block" in [d.name for d in both._drafters("multi", ["page one text"], None)]

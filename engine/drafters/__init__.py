@@ -3,7 +3,9 @@ what the target itself would have produced; a good drafter only makes decoding f
 
 A drafter has a ``name`` and ``propose(committed_ids, k) -> list[int]``: up to ``k`` tokens expected to
 follow ``committed_ids`` (the output so far, prompt excluded). It may keep state between calls, but
-must accept any ``committed_ids`` that extends the previous one.
+must accept any ``committed_ids`` that extends the previous one (rounds in which it was not asked
+included). Optional: ``max_draft``, the longest draft it can ever make (`engine.drafters.policy` then skips
+it in rounds where it could not win).
 """
 
 from __future__ import annotations

@@ -213,6 +213,10 @@ class BlockDrafter:
         self._buffer = buf[-self.net.config.context :]
         self.fed += features.shape[0]
 
+    @property
+    def max_draft(self) -> int:
+        return self.net.config.block
+
     @torch.inference_mode()
     def propose(self, committed_ids: list[int], k: int) -> list[int]:
         c = self.net.config

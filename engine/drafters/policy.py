@@ -4,6 +4,9 @@
   (the first drafter in order on ties).
 - After a round the winner's K becomes ``min(k_max, 2 * (accepted + 1))``: it doubles while drafts are
   fully accepted and shrinks to just past what was accepted otherwise.
+- A drafter that declares ``max_draft`` (the longest draft it can make, e.g. the block drafter's block) is not
+  asked when a draft at least that long (or as long as its K) is already in hand: it could not win the round.
+  Drafters are asked in their configured order, so the cheap copy drafters go before the block network.
 - A drafter whose draft was wholly rejected sits out ``backoff`` rounds (1, 2, 4 .. 16, reset by any
   acceptance), so an always-wrong drafter costs little more than plain decoding.
 """
@@ -50,7 +53,11 @@ class DraftPolicy:
             if self._sit_out[drafter.name] > 0:
                 self._sit_out[drafter.name] -= 1
                 continue
-            draft = drafter.propose(committed_ids, min(self.k[drafter.name], room))
+            limit = min(self.k[drafter.name], room)
+            cap = getattr(drafter, "max_draft", None)
+            if cap is not None and len(best[1]) >= min(limit, cap):
+                continue  # it cannot propose a longer draft: skip its (costly) forward
+            draft = drafter.propose(committed_ids, limit)
             if len(draft) > len(best[1]):
                 best = (drafter.name, draft)
         return best
