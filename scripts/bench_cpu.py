@@ -10,6 +10,11 @@ Runs, each checked token for token against official:
 - lossless         reference drafter fed the PDF text layer, plus the markup and ngram drafters (the default set)
 - lossless-replay  replay drafter fed the official output ids (a re-run of the same pages)
 - always-wrong     replay drafter fed the official ids shifted by one (every draft token rejected)
+- lossless+block   the default set plus the model folder's block drafter (`<model>/drafter`) asked beside them,
+                   fed the same text layer (uflash by default leaves the block drafter out of chunks whose every
+                   page has a text layer, i.e. runs the `lossless` row here: this row says why)
+- block            the block drafter alone: the same pages as if scanned (no text layer to copy)
+The last two run only when the model folder has a drafter (``--no-block`` leaves them out).
 Wall time of each run includes the processor, the vision encoder and the prefill (best of ``--repeat``).
 
 Prints a table, then one JSON line. Usage:
@@ -94,13 +99,18 @@ def synth_jobs(n_docs: int, n_pages: int, tmp: Path) -> list[tuple[list, list[st
 
 
 def run_benchmark(model_path: str, n_pages: int, max_new_tokens: int, device: str, dtype: str, k_max: int,
-                  repeat: int = 1, synth: int = 0) -> dict:
+                  repeat: int = 1, synth: int = 0, block: bool = True) -> dict:
     from engine.model import load_model
     from engine.official import official_generate
     from engine.speculative import SpeculativeDecoder
     from ingest.render import render_pages
 
+    from engine.drafters.block import CONFIG_FILE, BlockDrafterNet, drafter_folder
+
     loaded = load_model(model_path, device, dtype)
+    folder = drafter_folder(model_path)
+    block_net = BlockDrafterNet.load(folder, loaded.device, loaded.dtype) if block and (
+        folder / CONFIG_FILE).exists() else None
     vocab = loaded.model.config.text_config.vocab_size
     with tempfile.TemporaryDirectory() as tmp:
         if synth:
@@ -114,6 +124,7 @@ def run_benchmark(model_path: str, n_pages: int, max_new_tokens: int, device: st
     official_generate(loaded, images, kind, 8)  # warm-up of both paths (allocator, thread pools, kernels)
     SpeculativeDecoder(loaded, mode="lossless", k_max=k_max).generate(images, 32, replay_ids=[0] * 32)
     names = ("official", "plain", "lossless", "lossless-replay", "always-wrong")
+    names += ("lossless+block", "block") if block_net is not None else ()
     totals = {name: {"tokens": 0, "seconds": 0.0, "forwards": 0, "verify_rounds": 0, "accepted_tokens": 0,
                      "exact_jobs": 0, "match_prefix": 0, "time_split": {}, "drafters": {}} for name in names}
     prompt_tokens = 0
@@ -129,8 +140,13 @@ def run_benchmark(model_path: str, n_pages: int, max_new_tokens: int, device: st
             "lossless-replay": ("lossless", ("replay",), {"replay_ids": reference}),
             "always-wrong": ("lossless", ("replay",), {"replay_ids": [(t + 1) % vocab for t in reference]}),
         }
+        if block_net is not None:
+            runs["lossless+block"] = ("lossless", ("reference", "markup", "ngram", "block"), {"reference_texts": texts})
+            runs["block"] = ("lossless", ("block",), {})
         for name, (mode, drafters, hints) in runs.items():
-            decoder = SpeculativeDecoder(loaded, mode=mode, k_max=k_max, drafters=drafters)
+            decoder = SpeculativeDecoder(loaded, mode=mode, k_max=k_max, drafters=drafters,
+                                         block_net=block_net if "block" in drafters else None,
+                                         block_beside_copies=True)
             res, seconds = best_of(repeat, partial(decoder.generate, images, max_new_tokens, **hints))
             _add(totals[name], len(res.output_ids), seconds, res.extra["speculative"]["forwards"],
                  res.extra["speculative"], res.output_ids == reference, first_difference(res.output_ids, reference))
@@ -204,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=1, help="time each run this many times, keep the fastest")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--json", type=Path, help="also write the report here")
+    parser.add_argument("--no-block", action="store_true", help="leave out the runs with the model's block drafter")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -214,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
 
             model_path = str(build_tiny_model(Path(tmp) / "tiny", sliding_window=128))
         report = run_benchmark(model_path, args.pages, args.max_new_tokens, args.device, args.dtype, args.k_max,
-                               args.repeat, args.synth)
+                               args.repeat, args.synth, block=not args.no_block)
     print_table(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
