@@ -102,13 +102,16 @@ def make_settings(folder: Path, args: argparse.Namespace, mode: str):
 
 
 def decoder_factory(loaded, args: argparse.Namespace):
-    from engine.chunk_decode import OfficialDecoder
+    from engine.chunk_decode import OfficialDecoder, load_block_drafter
     from engine.speculative import SpeculativeDecoder
+
+    block_net = None if args.no_block else load_block_drafter(loaded)  # as uflash: the model folder's drafter
 
     def make(mode: str):
         if mode == "official":
             return OfficialDecoder(loaded)
-        return SpeculativeDecoder(loaded, mode=mode, fast_threshold=args.fast_threshold)
+        return SpeculativeDecoder(loaded, mode=mode, fast_threshold=args.fast_threshold,
+                                  block_net=block_net if mode != "plain" else None)
 
     return make
 
@@ -181,6 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--scan", action="store_true", help="image-only scan-like PDFs (no text layer)")
     p.add_argument("--fast-threshold", type=float, default=0.3)
+    p.add_argument("--no-block", action="store_true", help="leave out the model folder's block drafter")
     p.add_argument("--max-pages-per-chunk", type=int, default=4,
                    help="engine.max_pages_per_chunk (4: the demo model was trained on 1-4 pages; 16 for the real one)")
     p.add_argument("--max-tokens-per-page", type=int, default=None)
@@ -225,7 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                                  "max_pages_per_chunk": args.max_pages_per_chunk,
                                                                  "max_tokens_per_page": args.max_tokens_per_page},
         "env": environment(), "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
-        "pages": len(keys), "scan": args.scan, "seeds": [args.seed, args.seed + len(pdfs) - 1],
+        "block_drafter": not args.no_block, "pages": len(keys), "scan": args.scan, "seeds": [args.seed, args.seed + len(pdfs) - 1],
         "lossless": {k: round(lossless[k], 3) if isinstance(lossless[k], float) else lossless[k]
                      for k in ("wall_s", "decode_s", "tokens")},
         "fast": {k: round(fast[k], 3) if isinstance(fast[k], float) else fast[k] for k in ("wall_s", "decode_s", "tokens")},

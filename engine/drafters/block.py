@@ -190,6 +190,14 @@ def drafter_folder(model_path: str | Path) -> Path:
     return Path(model_path) / "drafter"
 
 
+def check_fed(fed: int, prompt_len: int, committed_ids: list[int]) -> None:
+    """The drafter's invariant before a draft: it was fed every input up to o_{t-1} (the prompt, then the
+    committed outputs but the last), no more, no less."""
+    if fed != prompt_len + len(committed_ids) - 1:
+        raise RuntimeError(f"block drafter fed {fed} inputs, expected prompt {prompt_len} + "
+                           f"{len(committed_ids) - 1} committed outputs")
+
+
 class BlockDrafter:
     """The runtime drafter (``engine.drafters.Drafter``) of one decode. The engine calls ``feed`` with the
     target's features of every input it commits (the prompt after the prefill, then each round's), in order."""
@@ -222,9 +230,7 @@ class BlockDrafter:
         c = self.net.config
         if k < 1 or self._buffer is None or self._buffer.shape[0] < c.context:
             return []
-        if self.fed != self.prompt_len + len(committed_ids) - 1:
-            raise RuntimeError(f"block drafter fed {self.fed} inputs, expected prompt {self.prompt_len} + "
-                               f"{len(committed_ids) - 1} committed outputs")
+        check_fed(self.fed, self.prompt_len, committed_ids)
         p = next(self.net.parameters())
         last = torch.tensor([committed_ids[-1]], device=p.device)
         logits = self.net(self._buffer[None].to(p.dtype), self.embed_tokens(last).to(p.dtype), self.lm_head,

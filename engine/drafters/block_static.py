@@ -25,7 +25,7 @@ import math
 import torch
 
 from engine.cuda_graphs import StepGraphs
-from engine.drafters.block import BlockDrafterNet, PageMemory
+from engine.drafters.block import BlockDrafterNet, PageMemory, check_fed
 
 MEMORY_BUCKET = 256  # prompt lengths are rounded up to this for the memory buffers (one graph per bucket)
 
@@ -101,9 +101,7 @@ class StaticBlockDrafter:
         c = self.net.config
         if k < 1 or self.prompt_len is None or self.fed < c.context:
             return []
-        if self.fed != self.prompt_len + len(committed_ids) - 1:
-            raise RuntimeError(f"block drafter fed {self.fed} inputs, expected prompt {self.prompt_len} + "
-                               f"{len(committed_ids) - 1} committed outputs")
+        check_fed(self.fed, self.prompt_len, committed_ids)
         self.last.fill_(committed_ids[-1])
         out = self.graphs.replay(0, self.bucket) if self.graphs is not None else self._body(self.bucket)
         return out[: min(k, c.block)].tolist()
