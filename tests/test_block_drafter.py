@@ -111,7 +111,8 @@ def test_policy_counts_acceptance_by_draft_position():
     assert policy.stats["fixed"].as_dict()["acceptance_by_position"] == [0.5, 0.5, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("data", [["--data", "labels", "--heldout-pages", "1"], ["--data", "decode", "--no-memory"]])
+@pytest.mark.parametrize("data", [["--data", "labels", "--heldout-pages", "1"], ["--data", "decode", "--no-memory"],
+                                  ["--data", "labels", "--multi-frac", "1", "--multi-pages", "2"]])
 def test_train_drafter_script_end_to_end_and_uflash_uses_the_result(tmp_path, data):
     from scripts.train_drafter import main
 
@@ -123,7 +124,9 @@ def test_train_drafter_script_end_to_end_and_uflash_uses_the_result(tmp_path, da
     record = json.loads(record_path.read_text())
     assert record["loss_last"] < 0.8 * record["loss_first"], record
     assert record["data"] == data[1] and record["memory"] == ("--no-memory" not in data)
-    if data[1] == "labels":
+    if "--multi-frac" in data:  # multi-page chunks: fewer sequences than pages, each with separators
+        assert record["sequences"] < record["pages"] == 3
+    elif data[1] == "labels":
         assert 0 <= record["heldout"]["tau"] <= 4 and len(record["heldout"]["acceptance_by_position"]) == 4
     assert (model / "drafter" / "drafter_config.json").is_file()
 
