@@ -236,7 +236,7 @@ def train(net: BlockDrafterNet, loaded, seqs, steps: int | None, seconds: float 
     rng = random.Random(seed)
     opt = torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     embed, head = loaded.model.get_input_embeddings(), loaded.model.lm_head
-    losses, t0, step, last_eval, evals = [], time.time(), 0, time.time(), []
+    losses, t0, step, last_eval, evals = [], time.time(), 0, 0.0, []  # first held-out check after step 1
     total = steps if steps else None
     net.train()
     while True:
