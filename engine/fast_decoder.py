@@ -27,7 +27,6 @@ from loguru import logger
 
 from engine.cuda_graphs import GraphCaptureError, StepGraphs, cuda_graphs_available
 from engine.drafters import Drafter
-from engine.drafters.block import BlockDrafter
 from engine.drafters.block_static import StaticBlockDrafter
 from engine.drafters.policy import DraftPolicy
 from engine.model import LoadedModel
@@ -106,11 +105,13 @@ class FastDecoder(SpeculativeDecoder):
             return []
         if self.drafter_factory is not None:
             return self.drafter_factory(kind, reference_texts, replay_ids)
-        drafters = super()._drafters(kind, reference_texts, replay_ids)
-        if self.static_block is not None:  # the static path: the same network, drafting by graph replay
-            self.static_block.start()
-            drafters = [self.static_block if isinstance(d, BlockDrafter) else d for d in drafters]
-        return drafters
+        return super()._drafters(kind, reference_texts, replay_ids)
+
+    def _block_drafter(self) -> Drafter:
+        if self.static_block is None:  # eager path (or after a fall-back)
+            return super()._block_drafter()
+        self.static_block.start()  # the static path: the same network, drafting by graph replay
+        return self.static_block
 
     def generate(self, images: list, max_new_tokens: int, reference_texts: list[str] | None = None,
                  replay_ids: list[int] | None = None) -> DecodeResult:

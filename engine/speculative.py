@@ -195,9 +195,13 @@ class SpeculativeDecoder:
                 drafters.append(NgramDrafter())
             elif name == "block" and self.block_net is not None and (
                     self.block_beside_copies or not self._copy_source(reference_texts, replay_ids)):
-                model = self.loaded.model
-                drafters.append(BlockDrafter(self.block_net, model.get_input_embeddings(), model.lm_head))
+                drafters.append(self._block_drafter())
         return drafters
+
+    def _block_drafter(self) -> Drafter:
+        """The block drafter of one decode (the eager one here; the static path drafts from static buffers)."""
+        model = self.loaded.model
+        return BlockDrafter(self.block_net, model.get_input_embeddings(), model.lm_head)
 
     def _copy_source(self, reference_texts: list[str] | None, replay_ids: list[int] | None) -> bool:
         """A configured copy drafter has something for every page of the chunk."""
