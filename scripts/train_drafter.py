@@ -67,7 +67,6 @@ def _synthetic_page(seed: int):
 
 def synthetic_pages(n: int, seed0: int, workers: int = 0) -> tuple[list, list[str]]:
     """n image-only synthetic pages (seeds seed0 ..) and their labels, rendered by `workers` processes."""
-
     seeds = range(seed0, seed0 + n)
     if workers > 1:
         import multiprocessing as mp
@@ -107,7 +106,6 @@ def folder_pages(folder: Path, limit: int) -> list:
 
 def decode_plain(loaded, pages: list, max_new_tokens: int, desc: str) -> list[list[int]]:
     """The target's own greedy outputs, on the engine's fast path (CUDA graphs on a GPU)."""
-
     from engine.fast_decoder import FastDecoder
 
     plain = FastDecoder(loaded, mode="plain")
@@ -144,7 +142,6 @@ def chunk_groups(n: int, multi_frac: float, max_pages: int, seed: int) -> list[l
 
 
 def build_teacher(loaded, pages, outputs, layers, store_dtype=None):
-
     seqs = []
     for page, ids in tqdm(list(zip(pages, outputs)), desc="teacher features", unit="page"):
         seq = teacher_features(loaded, [page], ids, layers)
@@ -157,7 +154,6 @@ def build_teacher(loaded, pages, outputs, layers, store_dtype=None):
 def build_label_teacher(loaded, pages, labels, layers, store_dtype=None, groups=None):
     """Label data (block_teacher.label_features) for synthetic pages, one sequence per chunk of `groups` (page
     indices; default: every page alone)."""
-
     seqs = []
     groups = groups if groups is not None else [[i] for i in range(len(pages))]
     for group in tqdm(groups, desc="teacher features (labels)", unit="chunk"):
