@@ -105,12 +105,10 @@ def run_benchmark(model_path: str, n_pages: int, max_new_tokens: int, device: st
     from engine.speculative import SpeculativeDecoder
     from ingest.render import render_pages
 
-    from engine.drafters.block import CONFIG_FILE, BlockDrafterNet, drafter_folder
+    from engine.chunk_decode import load_block_drafter
 
     loaded = load_model(model_path, device, dtype)
-    folder = drafter_folder(model_path)
-    block_net = BlockDrafterNet.load(folder, loaded.device, loaded.dtype) if block and (
-        folder / CONFIG_FILE).exists() else None
+    block_net = load_block_drafter(loaded) if block else None  # as uflash: the model folder's drafter
     vocab = loaded.model.config.text_config.vocab_size
     with tempfile.TemporaryDirectory() as tmp:
         if synth:

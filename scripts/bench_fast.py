@@ -113,6 +113,7 @@ def decoder_factory(loaded, args: argparse.Namespace):
         return SpeculativeDecoder(loaded, mode=mode, fast_threshold=args.fast_threshold,
                                   block_net=block_net if mode != "plain" else None)
 
+    make.block_drafter = block_net is not None
     return make
 
 
@@ -229,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                                  "max_pages_per_chunk": args.max_pages_per_chunk,
                                                                  "max_tokens_per_page": args.max_tokens_per_page},
         "env": environment(), "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
-        "block_drafter": not args.no_block, "pages": len(keys), "scan": args.scan, "seeds": [args.seed, args.seed + len(pdfs) - 1],
+        "block_drafter": make_decoder.block_drafter, "pages": len(keys), "scan": args.scan, "seeds": [args.seed, args.seed + len(pdfs) - 1],
         "lossless": {k: round(lossless[k], 3) if isinstance(lossless[k], float) else lossless[k]
                      for k in ("wall_s", "decode_s", "tokens")},
         "fast": {k: round(fast[k], 3) if isinstance(fast[k], float) else fast[k] for k in ("wall_s", "decode_s", "tokens")},
