@@ -14,8 +14,9 @@ weight * down(act(gate(x)) * up(x)). Shapes depend on T only, never on the routi
   matrix-vector products. Bytes ~3x the routed weights: cheap for T = 1-2, ruinous for T = 16 (~100 pairs).
 - ``auto``: ``grouped`` on the CPU and on CUDA in bf16, ``gather`` otherwise (fp32 on CUDA).
 - ``mixed``: ``gather`` for steps of at most ``MIXED_GATHER_MAX_TOKENS`` tokens (single-token decode, where
-  it measured fastest on the H200), ``grouped`` for wider verify steps. The choice depends on the step's
-  static width only, so each captured graph holds one of the two.
+  it measured fastest on the H200), and for wider verify steps ``grouped`` where its kernel exists (CPU;
+  CUDA in bf16), else ``dense`` (fp32 on CUDA). The choice depends on the step's static width, device and
+  dtype only, so each captured graph holds one implementation.
 - ``dense``: every expert on every token, weights zero for experts not routed. Reads all E experts'
   weights whatever T is (~440 MB per layer at full size): flat cost, plausible for wide verify steps.
 """
@@ -78,7 +79,12 @@ def dense(experts, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
 
 
 def mixed(experts, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-    impl = gather if x.shape[0] <= MIXED_GATHER_MAX_TOKENS else grouped
+    if x.shape[0] <= MIXED_GATHER_MAX_TOKENS:
+        impl = gather
+    elif x.device.type == "cpu" or x.dtype == torch.bfloat16:
+        impl = grouped
+    else:
+        impl = dense
     return impl(experts, x, top_k_index, top_k_weights)
 
 
