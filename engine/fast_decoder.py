@@ -42,7 +42,8 @@ DrafterFactory = Callable[[str, "list[str] | None", "list[int] | None"], list[Dr
 class FastDecoder(SpeculativeDecoder):
     """moe: routed-expert implementation of the static step (`engine.static_moe`); attn: its attention
     (``auto``, ``sdpa`` or ``matmul``, see `engine.static_runner`); compile_step: ``torch.compile`` the step before the
-    graphs capture it (fewer, fused kernels; `engine.static_runner`).
+    graphs capture it (fewer, fused kernels; `engine.static_runner`); linear: how the step writes its projections
+    (``auto``, ``torch`` or ``bmv``, `engine.static_runner`).
     drafter_factory: (prompt kind, reference_texts, replay_ids) -> drafters, replacing the named ones
     (benchmarks use it to feed drafts of a controlled quality). prefix_capacity: see StaticRswaRunner.
     engine_options: passed on to SpeculativeDecoder (e.g. fast_threshold for mode ``fast``, eager engine)."""
@@ -50,7 +51,7 @@ class FastDecoder(SpeculativeDecoder):
     def __init__(self, loaded: LoadedModel, mode: str = "lossless", k_max: int = 16,
                  drafters: tuple[str, ...] = DRAFTERS, backend: str = "auto", moe: str = "auto",
                  drafter_factory: DrafterFactory | None = None, prefix_capacity: int = 0, attn: str = "auto",
-                 compile_step: bool = False, **engine_options):
+                 compile_step: bool = False, linear: str = "auto", **engine_options):
         super().__init__(loaded, mode=mode, k_max=k_max, drafters=drafters, **engine_options)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
@@ -76,7 +77,8 @@ class FastDecoder(SpeculativeDecoder):
             block = self.block_net is not None and "block" in drafters and mode != "plain"
             layers = tuple(self.block_net.config.layers) if block else ()
             self.static = StaticRswaRunner(loaded.model, k_max + 1, moe=moe, prefix_capacity=prefix_capacity,
-                                           attn=attn, capture_layers=layers, compile_step=compile_step)
+                                           attn=attn, capture_layers=layers, compile_step=compile_step,
+                                           linear=linear)
             self.moe = self.static.moe
             if block:
                 model = loaded.model
@@ -156,7 +158,8 @@ class FastDecoder(SpeculativeDecoder):
         seconds = time.perf_counter() - t0
         stats = {"mode": self.mode, "k_max": self.k_max, "tokens": len(output), **loop,
                  "cache_bytes": runner.nbytes(), "ring_slots": runner.ring_size,
-                 "backend": self.backend, "moe": self.moe, "attn": runner.attn, "graphs": len(runner.graphs or ()),
+                 "backend": self.backend, "moe": self.moe, "attn": runner.attn,
+                 "linear": runner.linear, "graphs": len(runner.graphs or ()),
                  "graphs_captured_now": captured, "capture_s": round(capture_s, 4), "compiled": runner.compiled,
                  **({"compile_error": runner.compile_error} if runner.compile_error else {})}
         text = decode_text(loaded, output) if loaded.tokenizer is not None else ""

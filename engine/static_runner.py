@@ -52,6 +52,15 @@ from transformers.models.unlimited_ocr.modeling_unlimited_ocr import apply_rotar
 from engine.runner import RswaRunner
 from engine.static_moe import experts_forward, resolve
 
+# decode-step projections (attention q/k/v/o, dense and shared-expert MLPs; not the router or lm_head):
+# ``torch`` = the modules' own F.linear; ``bmv`` = one matrix-vector product per step token, batched
+# (matmul of the weight [1, out, in] with the tokens [T, in, 1]); ``auto`` = ``bmv`` for fp32 on CUDA, else
+# ``torch``. Why: for fp32 [8-9, 384] x [384, 384] cuBLAS picks a ~31 us xmma GEMM kernel where width 4
+# takes ~7 us and a batched GEMV ~3 us (H200, scripts/profile_linear.py,
+# docs/results/profile_linear_h200_2026-12-04.json); the demo model's width-9 verify step cost 2.1 ms against
+# 1.1 ms at width 4 (24 such projections a step). Each row is the same GEMV a single-token step runs.
+LINEAR_IMPLS = ("auto", "torch", "bmv")
+
 # decode-step attention: torch SDPA with a mask, matmul + fp32 softmax, or ``auto`` = SDPA for a single-token
 # step and matmul for a verify of >= 2 tokens. Measured on the H200 at full size over a 16-page prefix (4,374
 # keys; docs/results/profile_step_16p_h200_2026-12-04.json, uncompiled replays): SDPA 2.41 ms at width 1 but
@@ -94,10 +103,13 @@ def bucket(value: int, buckets: list[int]) -> int:
 class StaticRswaRunner:
     """max_step_tokens: widest step (k_max drafts + the last committed token). moe: see `engine.static_moe`.
     prefix_capacity: allocate for at least this many prefix tokens at the first prefill (fewer regrowths).
-    compile_step: run the body compiled (see the module docstring)."""
+    compile_step: run the body compiled (see the module docstring). linear: the step's projections (LINEAR_IMPLS)."""
 
     def __init__(self, model, max_step_tokens: int, moe: str = "auto", prefix_capacity: int = 0,
-                 attn: str = "auto", capture_layers: tuple[int, ...] = (), compile_step: bool = False):
+                 attn: str = "auto", capture_layers: tuple[int, ...] = (), compile_step: bool = False,
+                 linear: str = "auto"):
+        if linear not in LINEAR_IMPLS:
+            raise ValueError(f"linear must be one of {LINEAR_IMPLS}, not {linear!r}")
         self.model = model
         self._compiled = compile_body(self.step_body) if compile_step else None
         self.compile_error: str | None = None
@@ -119,6 +131,9 @@ class StaticRswaRunner:
         if attn not in ATTN_IMPLS:
             raise ValueError(f"attn must be one of {ATTN_IMPLS}, not {attn!r}")
         self.attn = attn
+        if linear == "auto":
+            linear = "bmv" if weight.device.type == "cuda" and weight.dtype == torch.float32 else "torch"
+        self.linear = linear
         self.widths = width_buckets(max_step_tokens)
         self.max_width = self.widths[-1]
         self.ring_size = math.ceil((self.window + self.max_width - 1) / ALIGN) * ALIGN
@@ -230,9 +245,10 @@ class StaticRswaRunner:
         attn = layer.self_attn
         x = layer.input_layernorm(hidden)
         n = x.shape[1]
-        q = attn.q_proj(x).view(1, n, -1, self.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(1, n, -1, self.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(1, n, -1, self.head_dim)
+        proj = (lambda module, t: module(t)) if step is None else self._proj
+        q = proj(attn.q_proj, x).view(1, n, -1, self.head_dim).transpose(1, 2)
+        k = proj(attn.k_proj, x).view(1, n, -1, self.head_dim).transpose(1, 2)
+        v = proj(attn.v_proj, x).view(1, n, -1, self.head_dim)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         k = k.transpose(1, 2)
         keys, values, c = self.keys[i], self.values[i], self.ring_size
@@ -246,14 +262,30 @@ class StaticRswaRunner:
             values.index_copy_(1, slots, v)
             end = c + prefix_bucket
             out = self._attend(q, keys[:, :end], values[:, :end], mask, attn.scaling)
-        hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, n, -1))
+        hidden = hidden + proj(attn.o_proj, out.transpose(1, 2).reshape(1, n, -1))
         x = layer.post_attention_layernorm(hidden)
-        if step is None or not self.sparse[i]:
+        if step is None:
             return hidden + layer.mlp(x)  # the model's own module (eager MoE with host syncs in prefill)
+        if not self.sparse[i]:
+            return hidden + self._mlp(layer.mlp, x)
         mlp = layer.mlp
         _, top_k_weights, top_k_index = mlp.gate(x)
         routed = self._experts(mlp.experts, x.reshape(n, -1), top_k_index, top_k_weights).view_as(x)
-        return hidden + routed + mlp.shared_experts(x)
+        return hidden + routed + self._mlp(mlp.shared_experts, x)
+
+    def _proj(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """A step's projection ``module(x)`` for x [1, n, in], written as ``self.linear`` says."""
+        if self.linear == "torch":
+            return module(x)
+        n = x.shape[1]
+        out = torch.matmul(module.weight[None], x.reshape(n, -1, 1))[..., 0]  # n GEMVs: [n, out]
+        if module.bias is not None:
+            out = out + module.bias
+        return out.view(1, n, -1)
+
+    def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
+        """``UnlimitedOcrTextMLP.forward`` (down(act(gate(x)) * up(x))) with the step's projections."""
+        return self._proj(mlp.down_proj, mlp.act_fn(self._proj(mlp.gate_proj, x)) * self._proj(mlp.up_proj, x))
 
     def _attend(self, q, keys, values, mask, scaling) -> torch.Tensor:
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [1, kv_heads, slots, dim] views

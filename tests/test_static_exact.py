@@ -121,6 +121,24 @@ def test_other_moe_implementations(models, official, moe, n_pages):
     assert _ids(loaded, pages, LENGTHS[8], moe=moe, replay_ids=_corrupt(expected, vocab, "random_half")) == expected
 
 
+@pytest.mark.parametrize("n_pages", [1, 3])
+def test_batched_gemv_projections(models, official, n_pages):
+    """linear="bmv" (the fp32 CUDA default: one GEMV per step token) decodes the official tokens too."""
+    loaded, pages, expected = models[8], _pages(n_pages), official(8, n_pages)
+    vocab = loaded.model.config.text_config.vocab_size
+    assert _ids(loaded, pages, LENGTHS[8], mode="plain", linear="bmv") == expected
+    for how in ["right", "random_half"]:
+        ids = _ids(loaded, pages, LENGTHS[8], linear="bmv", replay_ids=_corrupt(expected, vocab, how))
+        assert ids == expected, how
+
+
+def test_linear_choice():
+    from engine.static_runner import StaticRswaRunner
+
+    with pytest.raises(ValueError, match="linear must be one of"):
+        StaticRswaRunner(None, 4, linear="cublas")
+
+
 @pytest.mark.parametrize("attn", ["matmul", "auto"])
 @pytest.mark.parametrize("n_pages", [1, 3])
 def test_other_attention(models, official, n_pages, attn):
@@ -267,16 +285,18 @@ def test_cuda_graphs_equal_official_fp32(folders, window, n_pages):
     pages = _pages(n_pages)
     expected = official_generate(loaded, pages, _kind(n_pages), LENGTHS[window]).output_ids
     vocab = loaded.model.config.text_config.vocab_size
-    for moe, attn in [("auto", "sdpa"), ("dense", "sdpa"), ("gather", "sdpa"), ("mixed", "sdpa"), ("auto", "matmul")]:
-        plain = FastDecoder(loaded, mode="plain", backend="graphs", moe=moe, attn=attn)
+    for moe, attn, linear in [("auto", "sdpa", "auto"), ("dense", "sdpa", "auto"), ("gather", "sdpa", "auto"),
+                              ("mixed", "sdpa", "auto"), ("auto", "matmul", "auto"), ("auto", "auto", "torch")]:
+        plain = FastDecoder(loaded, mode="plain", backend="graphs", moe=moe, attn=attn, linear=linear)
+        assert plain.static.linear == ("bmv" if linear == "auto" else linear)
         res = plain.generate(pages, LENGTHS[window])
         assert plain.backend == "graphs", plain.fallback_reason
-        assert res.output_ids == expected, (moe, attn)
+        assert res.output_ids == expected, (moe, attn, linear)
         assert res.extra["speculative"]["graphs"] >= 1
         for how in ["right", "random_half", "wrong"]:
-            ids = _ids(loaded, pages, LENGTHS[window], backend="graphs", moe=moe, attn=attn,
+            ids = _ids(loaded, pages, LENGTHS[window], backend="graphs", moe=moe, attn=attn, linear=linear,
                        replay_ids=_corrupt(expected, vocab, how))
-            assert ids == expected, (moe, attn, how)
+            assert ids == expected, (moe, attn, linear, how)
 
 
 def test_logprobs_match_the_eager_engine(models):
