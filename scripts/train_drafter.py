@@ -271,13 +271,14 @@ def train(net: BlockDrafterNet, loaded, seqs, steps: int | None, seconds: float 
     return out
 
 
-def evaluate(loaded, net, chunks, max_new_tokens: int, k_max: int, moe: str = "auto") -> dict:
+def evaluate(loaded, net, chunks, max_new_tokens: int, k_max: int, moe: str = "auto", linear: str = "auto") -> dict:
     """lossless with the block drafter alone vs plain on the same chunks (lists of page images), side by side
     (moe: the static step's routed-expert implementation, `engine.static_moe`)."""
     from engine.fast_decoder import FastDecoder
 
-    plain = FastDecoder(loaded, mode="plain", moe=moe)
-    spec = FastDecoder(loaded, mode="lossless", k_max=k_max, drafters=("block",), block_net=net, moe=moe)
+    plain = FastDecoder(loaded, mode="plain", moe=moe, linear=linear)
+    spec = FastDecoder(loaded, mode="lossless", k_max=k_max, drafters=("block",), block_net=net, moe=moe,
+                       linear=linear)
     rows, identical = [], 0
     for chunk in tqdm(chunks, desc="live check (plain, lossless+block)", unit="chunk"):
         a = plain.generate(chunk, max_new_tokens * len(chunk))
@@ -303,7 +304,25 @@ def evaluate(loaded, net, chunks, max_new_tokens: int, k_max: int, moe: str = "a
             "ms_plain_step": ms("plain_step_s", "plain_steps"), "ms_draft": ms("draft_s", "rounds"),
             "ms_verify_round": ms("verify_s", "rounds"), "ms_single_step": ms("single_s", "singles"),
             "backend": b.extra["speculative"].get("backend", "eager"), "moe": b.extra["speculative"].get("moe"),
-            "acceptance_by_position": _mean_lists([r["by_position"] for r in rows])}
+            "linear": b.extra["speculative"].get("linear"),
+            "acceptance_by_position": _mean_lists([r["by_position"] for r in rows]),
+            "ms_step_by_width": step_ms_by_width(spec.static)}
+
+
+def step_ms_by_width(runner, repeats: int = 50) -> dict[str, float]:
+    """ms per bare ``runner.step`` (stage + forward + the one host sync, nothing committed) at each verify width
+    the runner keeps, on the chunk it holds last: what a verify round costs before the loop's own work."""
+    if runner is None or not runner.prefix_len:
+        return {}
+    out = {}
+    for width in runner.widths:
+        ids = [0] * width
+        runner.step(ids)  # warm (a graph is captured already, or the eager body runs once)
+        t = time.perf_counter()
+        for _ in range(repeats):
+            runner.step(ids)
+        out[str(width)] = round(1000 * (time.perf_counter() - t) / repeats, 3)
+    return out
 
 
 def _chunked(pages: list, size: int) -> list[list]:
@@ -336,6 +355,7 @@ def main(argv=None) -> int:
     ap.add_argument("--heldout-pages", type=int, default=0, help="held-out label pages for the teacher-forced tau")
     ap.add_argument("--eval-pages", type=int, default=0, help="held-out pages for the lossless-vs-plain check")
     ap.add_argument("--eval-chunk-pages", type=int, default=1, help="live check: pages per decoded chunk")
+    ap.add_argument("--eval-k-max", type=int, help="live check: longest draft verified (default: the block size)")
     ap.add_argument("--multi-frac", type=float, default=0.0,
                     help="share of label-data chunks of 2..--multi-pages pages (multi-page prompts, as uflash's "
                          "chunks); also for the held-out pages")
@@ -358,6 +378,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--moe", default="auto", help="live check: the static step's routed-expert implementation "
                     "(auto, gather, grouped, dense, mixed; engine/static_moe.py)")
+    ap.add_argument("--linear", default="auto", help="live check: the static step's projections (auto, torch, bmv; "
+                    "engine/static_runner.py)")
     ap.add_argument("--json", help="also write the record here")
     args = ap.parse_args(argv)
     if not args.model and not args.tiny:
@@ -395,7 +417,7 @@ def main(argv=None) -> int:
         held, _ = synthetic_pages(args.eval_pages, 850_000, args.workers)
         record = {"model": str(args.model), "drafter": str(folder),
                   "eval": evaluate(loaded, net, _chunked(held, args.eval_chunk_pages), args.max_new_tokens,
-                                   k_max=net.config.block, moe=args.moe)}
+                                   k_max=args.eval_k_max or net.config.block, moe=args.moe, linear=args.linear)}
         ev = record["eval"]
         print(f"{'pages':>6} {'identical':>9} {'tau':>6} {'speedup':>8} {'ms plain':>9} {'ms draft':>9} {'ms verify':>10}")
         print(f"{ev['pages']:>6} {ev['identical']:>9} {ev['tau_mean']:>6.2f} {ev['speedup_vs_plain']:>8.2f} "
@@ -457,7 +479,7 @@ def main(argv=None) -> int:
     if args.eval_pages:
         held, _ = synthetic_pages(args.eval_pages, 850_000, args.workers)  # held-out seeds (< 1,000,000)
         record["eval"] = evaluate(loaded, net, _chunked(held, args.eval_chunk_pages), args.max_new_tokens,
-                                  k_max=c.block, moe=args.moe)
+                                  k_max=args.eval_k_max or c.block, moe=args.moe, linear=args.linear)
     print(f"{'pages':>6} {'tokens':>7} {'steps':>6} {'loss first':>10} {'loss last':>9} {'tf tau':>7} {'tau':>6} "
           f"{'speedup':>8}")
     ev = record.get("eval", {})
