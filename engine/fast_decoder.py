@@ -1,4 +1,4 @@
-"""`plain` / `lossless` decoding on the static runner, with CUDA graphs on a GPU: the fast path of issue 6.
+"""`plain` / `lossless` / `fast` decoding on the static runner, with CUDA graphs on a GPU: the fast path of issue 6.
 
 `FastDecoder` is a `SpeculativeDecoder` (same modes, drafters, `decode()` contract and stats) whose decode
 loop runs on `engine.static_runner.StaticRswaRunner`:
@@ -13,12 +13,13 @@ decodes with the eager engine from then on (the chunk is decoded again from its 
 A round is the eager engine's (`engine.verify`) with the argmax taken on the device: the host gets the
 k + 1 greedy choices in one copy and asks for a full logits row only when the no-repeat-ngram rule bans
 the argmax of that row (then the row's greedy choice after the bans is computed as `greedy_token` does).
-Extra stats: backend, moe, graphs (number captured), capture_s (inside prefill_s). Other modes (``fast``)
-run on the eager engine.
+In ``fast`` mode the same copy carries each draft token's logit, so the relaxed rule (`engine.verify`) costs no
+extra sync. Extra stats: backend, moe, linear, attn, graphs (number captured), capture_s (inside prefill_s).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -46,7 +47,7 @@ class FastDecoder(SpeculativeDecoder):
     (``auto``, ``torch`` or ``bmv``, `engine.static_runner`).
     drafter_factory: (prompt kind, reference_texts, replay_ids) -> drafters, replacing the named ones
     (benchmarks use it to feed drafts of a controlled quality). prefix_capacity: see StaticRswaRunner.
-    engine_options: passed on to SpeculativeDecoder (e.g. fast_threshold for mode ``fast``, eager engine)."""
+    engine_options: passed on to SpeculativeDecoder (e.g. fast_threshold for mode ``fast``)."""
 
     def __init__(self, loaded: LoadedModel, mode: str = "lossless", k_max: int = 16,
                  drafters: tuple[str, ...] = DRAFTERS, backend: str = "auto", moe: str = "auto",
@@ -55,9 +56,6 @@ class FastDecoder(SpeculativeDecoder):
         super().__init__(loaded, mode=mode, k_max=k_max, drafters=drafters, **engine_options)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
-        if mode not in ("plain", "lossless") and backend != "eager":
-            logger.info("mode {!r} has no static path yet: eager engine", mode)
-            backend = "eager"
         self.moe = moe  # resolved by the static runner (auto -> grouped/gather)
         self.drafter_factory = drafter_factory
         self.fallback_reason: str | None = None
@@ -146,12 +144,14 @@ class FastDecoder(SpeculativeDecoder):
         captured = runner.capture_graphs()  # GraphCaptureError -> eager engine (caller)
         capture_s = time.perf_counter() - t_capture
         policy = DraftPolicy(drafters, self.k_max)
+        fast = self.fast_threshold if self.mode == "fast" else None
+        strict = frozenset(i for i in (eos, loaded.page_sep_id) if i is not None)
 
         def one_round(last: int, draft: list[int]) -> tuple[list[int], list[float], int]:
-            emitted, step_logprobs = verify_static(runner, rule, last, draft, eos)
+            emitted, step_logprobs, relaxed = verify_static(runner, rule, last, draft, eos, fast, strict)
             if block:
                 block.feed(runner.features[: len(emitted)])  # the inputs this round committed
-            return emitted, step_logprobs, 0
+            return emitted, step_logprobs, relaxed
 
         loop = run_rounds(policy, one_round, output, logprobs, rule, eos, max_new_tokens,
                           prefill_s=time.perf_counter() - t0)
@@ -170,22 +170,32 @@ class FastDecoder(SpeculativeDecoder):
 
 
 def verify_static(runner: StaticRswaRunner, rule: NoRepeatNgramRule, last_token: int, draft: list[int],
-                  eos_token_id: int) -> tuple[list[int], list[float]]:
-    """`engine.verify.verify` on the static runner: emitted tokens d1..da + the target's own, EOS-truncated,
-    and their log-probabilities (log-softmax of the fp32 logits before the bans, as the eager engine records)."""
+                  eos_token_id: int, fast_threshold: float | None = None,
+                  strict_ids: frozenset[int] | set[int] = frozenset()) -> tuple[list[int], list[float], int]:
+    """`engine.verify.verify_round` on the static runner: emitted tokens d1..da + the target's own, EOS-truncated,
+    their log-probabilities (log-softmax of the fp32 logits before the bans, as the eager engine records) and how
+    many were accepted by fast mode's relaxed rule (``fast_threshold`` None: lossless, 0)."""
     rows = runner.step([last_token, *draft])
+    log_threshold = math.log(fast_threshold) if fast_threshold else None
     emitted: list[int] = []
     logprobs: list[float] = []
+    relaxed = 0
     for i in range(len(draft) + 1):
         banned = rule.banned(draft[:i])
-        target, best, lse = rows[i]
+        target, best, lse, drafted = rows[i]
         if target in banned:  # rare: the argmax itself is banned; redo the row as generate() does
             row = runner.logits_row(i)
             target = greedy_token(row, banned)
             best = float(row[target])
+        if (i < len(draft) and draft[i] != target and log_threshold is not None and drafted - lse >= log_threshold
+                and draft[i] not in banned and draft[i] not in strict_ids and target not in strict_ids):
+            emitted.append(draft[i])  # fast mode: the target finds the draft token likely enough
+            logprobs.append(drafted - lse)
+            relaxed += 1
+            continue
         emitted.append(target)
         logprobs.append(best - lse)
         if i == len(draft) or draft[i] != target or target == eos_token_id:
             break
     runner.commit(len(emitted))
-    return emitted, logprobs
+    return emitted, logprobs, relaxed

@@ -65,7 +65,10 @@ LINEAR_IMPLS = ("auto", "torch", "bmv")
 # step and matmul for a verify of >= 2 tokens. Measured on the H200 at full size over a 16-page prefix (4,374
 # keys; docs/results/profile_step_16p_h200_2026-12-04.json, uncompiled replays): SDPA 2.41 ms at width 1 but
 # 3.90-4.14 ms at widths 2-17 (cuDNN's sm90 flash kernel, 110 us a layer for 2-17 queries against 13 us for one),
-# matmul 2.57 ms at width 1 and 3.00-3.22 ms at widths 2-17.
+# matmul 2.57 ms at width 1 and 3.00-3.22 ms at widths 2-17. In fp32 on CUDA ``auto`` means matmul at every
+# width: there SDPA runs a memory-efficient fp32 kernel (~64 us a layer for one query over ~400 keys); the demo
+# model's plain step measured 1.04 ms with SDPA and 0.71 ms with matmul on the H200
+# (docs/results/eval_drafter_demo_s12e_bmv{,_matmul}_h200_2026-12-04.json).
 ATTN_IMPLS = ("sdpa", "matmul", "auto")
 EMPTY = -(2**62)  # tag of a ring slot never written in this chunk: outside every window
 ALIGN = 16
@@ -130,6 +133,8 @@ class StaticRswaRunner:
         self._experts = experts_forward(self.moe)
         if attn not in ATTN_IMPLS:
             raise ValueError(f"attn must be one of {ATTN_IMPLS}, not {attn!r}")
+        if attn == "auto" and weight.device.type == "cuda" and weight.dtype == torch.float32:
+            attn = "matmul"
         self.attn = attn
         if linear == "auto":
             linear = "bmv" if weight.device.type == "cuda" and weight.dtype == torch.float32 else "torch"
@@ -203,8 +208,10 @@ class StaticRswaRunner:
     # --- one step (the graph body) -----------------------------------------------------------------------
 
     def step_body(self, width: int, prefix_bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 logits [width, vocab] of the staged step and a summary [width, 3] fp32 per row: argmax (exact
-        as fp32 below 2**24), max logit, logsumexp (and, with ``capture_layers``, the features [width, F]).
+        """fp32 logits [width, vocab] of the staged step and a summary [width, 4] fp32 per row: argmax (exact
+        as fp32 below 2**24), max logit, logsumexp, and the logit of the next staged token (row i judges staged
+        token i + 1, the draft: fast mode's relaxed rule needs its probability; the last row's entry is
+        meaningless); with ``capture_layers`` also the features [width, F].
         Only device work on static tensors: no host sync, shapes fixed by (width, prefix_bucket)."""
         pos = self.pos[:width]
         slots = pos % self.ring_size
@@ -222,7 +229,8 @@ class StaticRswaRunner:
                 kept.append(hidden[0])
         logits = self._final(hidden[0])
         argmax = logits.argmax(dim=-1)  # first index on ties, as generate's argmax
-        summary = torch.stack([argmax.float(), logits.amax(dim=-1), torch.logsumexp(logits, dim=-1)], dim=1)
+        drafted = logits.gather(1, torch.roll(self.ids[:width], -1)[:, None])[:, 0]
+        summary = torch.stack([argmax.float(), logits.amax(dim=-1), torch.logsumexp(logits, dim=-1), drafted], dim=1)
         return (logits, summary, torch.cat(kept, dim=-1)) if kept else (logits, summary)
 
     def body(self, width: int, prefix_bucket: int) -> tuple[torch.Tensor, ...]:
@@ -316,9 +324,10 @@ class StaticRswaRunner:
         self.pos.copy_(self._host[1], non_blocking=True)
 
     @torch.inference_mode()
-    def step(self, token_ids: list[int]) -> list[tuple[int, float, float]]:
-        """Per token at positions ``length ..``: (greedy choice before bans, its logit, logsumexp of the row);
-        the full fp32 logits stay on the device for ``logits_row``. Commits nothing."""
+    def step(self, token_ids: list[int]) -> list[tuple[int, float, float, float]]:
+        """Per token at positions ``length ..``: (greedy choice before bans, its logit, logsumexp of the row, the
+        logit of the next token in ``token_ids``, meaningless on the last row); the full fp32 logits stay on the
+        device for ``logits_row``. Commits nothing."""
         if not 1 <= len(token_ids) <= self.max_width:
             raise ValueError(f"a step of {len(token_ids)} tokens; the runner allows 1..{self.max_width}")
         if self.length < self.prefix_len or not self.prefix_len:
@@ -332,7 +341,7 @@ class StaticRswaRunner:
         self.features = features[0] if features else None  # a graph's static output: read before the next step
         self._logits, self._step_tokens = logits, len(token_ids)
         rows = summary[:len(token_ids)].tolist()  # the one host sync of a step
-        return [(int(token), best, lse) for token, best, lse in rows]
+        return [(int(token), best, lse, drafted) for token, best, lse, drafted in rows]
 
     def logits_row(self, i: int) -> torch.Tensor:
         """fp32 logits [vocab] after the i-th token of the last step (valid until the next step)."""

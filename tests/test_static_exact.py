@@ -132,6 +132,29 @@ def test_batched_gemv_projections(models, official, n_pages):
         assert ids == expected, how
 
 
+@pytest.mark.parametrize("n_pages", [1, 3])
+def test_fast_mode_static_equals_eager(models, official, n_pages):
+    """mode fast on the static runner: the eager engine's relaxed rule, token for token (the draft logits come
+    back with the step's one copy); at threshold 1 it is lossless."""
+    from engine.speculative import SpeculativeDecoder
+
+    loaded, pages, expected = models[8], _pages(n_pages), official(8, n_pages)
+    vocab = loaded.model.config.text_config.vocab_size
+    wrong = _corrupt(expected, vocab, "random_half")
+    assert _ids(loaded, pages, LENGTHS[8], mode="fast", fast_threshold=1.0, replay_ids=wrong) == expected
+    threshold = 1.0 / vocab  # a random tiny model spreads its probability: some drafts pass, some do not
+    eager = SpeculativeDecoder(loaded, mode="fast", fast_threshold=threshold).generate(pages, LENGTHS[8],
+                                                                                      replay_ids=wrong)
+    static = FastDecoder(loaded, mode="fast", backend="static", fast_threshold=threshold)
+    res = static.generate(pages, LENGTHS[8], replay_ids=wrong)
+    assert res.extra["speculative"]["backend"] == "static"
+    assert res.output_ids == eager.output_ids
+    relaxed = res.extra["speculative"]["relaxed_tokens"]
+    assert relaxed == eager.extra["speculative"]["relaxed_tokens"] and 0 < relaxed < len(res.output_ids)
+    assert res.output_ids != expected
+    assert res.logprobs == pytest.approx(eager.logprobs, abs=1e-4)
+
+
 def test_linear_choice():
     from engine.static_runner import StaticRswaRunner
 
@@ -297,6 +320,15 @@ def test_cuda_graphs_equal_official_fp32(folders, window, n_pages):
             ids = _ids(loaded, pages, LENGTHS[window], backend="graphs", moe=moe, attn=attn, linear=linear,
                        replay_ids=_corrupt(expected, vocab, how))
             assert ids == expected, (moe, attn, linear, how)
+    from engine.speculative import SpeculativeDecoder
+
+    wrong, threshold = _corrupt(expected, vocab, "random_half"), 1.0 / vocab  # fast mode on graphs = eager's rule
+    eager = SpeculativeDecoder(loaded, mode="fast", fast_threshold=threshold).generate(pages, LENGTHS[window],
+                                                                                      replay_ids=wrong)
+    fast = FastDecoder(loaded, mode="fast", backend="graphs", fast_threshold=threshold)
+    res = fast.generate(pages, LENGTHS[window], replay_ids=wrong)
+    assert fast.backend == "graphs" and res.extra["speculative"]["relaxed_tokens"] > 0
+    assert res.output_ids == eager.output_ids
 
 
 def test_logprobs_match_the_eager_engine(models):
