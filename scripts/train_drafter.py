@@ -271,14 +271,15 @@ def train(net: BlockDrafterNet, loaded, seqs, steps: int | None, seconds: float 
     return out
 
 
-def evaluate(loaded, net, chunks, max_new_tokens: int, k_max: int, moe: str = "auto", linear: str = "auto") -> dict:
+def evaluate(loaded, net, chunks, max_new_tokens: int, k_max: int, moe: str = "auto", linear: str = "auto",
+             attn: str = "auto") -> dict:
     """lossless with the block drafter alone vs plain on the same chunks (lists of page images), side by side
     (moe: the static step's routed-expert implementation, `engine.static_moe`)."""
     from engine.fast_decoder import FastDecoder
 
-    plain = FastDecoder(loaded, mode="plain", moe=moe, linear=linear)
+    plain = FastDecoder(loaded, mode="plain", moe=moe, linear=linear, attn=attn)
     spec = FastDecoder(loaded, mode="lossless", k_max=k_max, drafters=("block",), block_net=net, moe=moe,
-                       linear=linear)
+                       linear=linear, attn=attn)
     rows, identical = [], 0
     for chunk in tqdm(chunks, desc="live check (plain, lossless+block)", unit="chunk"):
         a = plain.generate(chunk, max_new_tokens * len(chunk))
@@ -304,7 +305,7 @@ def evaluate(loaded, net, chunks, max_new_tokens: int, k_max: int, moe: str = "a
             "ms_plain_step": ms("plain_step_s", "plain_steps"), "ms_draft": ms("draft_s", "rounds"),
             "ms_verify_round": ms("verify_s", "rounds"), "ms_single_step": ms("single_s", "singles"),
             "backend": b.extra["speculative"].get("backend", "eager"), "moe": b.extra["speculative"].get("moe"),
-            "linear": b.extra["speculative"].get("linear"),
+            "linear": b.extra["speculative"].get("linear"), "attn": b.extra["speculative"].get("attn"),
             "acceptance_by_position": _mean_lists([r["by_position"] for r in rows]),
             "ms_step_by_width": step_ms_by_width(spec.static)}
 
@@ -380,6 +381,7 @@ def main(argv=None) -> int:
                     "(auto, gather, grouped, dense, mixed; engine/static_moe.py)")
     ap.add_argument("--linear", default="auto", help="live check: the static step's projections (auto, torch, bmv; "
                     "engine/static_runner.py)")
+    ap.add_argument("--attn", default="auto", help="live check: the static step's attention (auto, sdpa, matmul)")
     ap.add_argument("--json", help="also write the record here")
     args = ap.parse_args(argv)
     if not args.model and not args.tiny:
@@ -417,7 +419,7 @@ def main(argv=None) -> int:
         held, _ = synthetic_pages(args.eval_pages, 850_000, args.workers)
         record = {"model": str(args.model), "drafter": str(folder),
                   "eval": evaluate(loaded, net, _chunked(held, args.eval_chunk_pages), args.max_new_tokens,
-                                   k_max=args.eval_k_max or net.config.block, moe=args.moe, linear=args.linear)}
+                                   k_max=args.eval_k_max or net.config.block, moe=args.moe, linear=args.linear, attn=args.attn)}
         ev = record["eval"]
         print(f"{'pages':>6} {'identical':>9} {'tau':>6} {'speedup':>8} {'ms plain':>9} {'ms draft':>9} {'ms verify':>10}")
         print(f"{ev['pages']:>6} {ev['identical']:>9} {ev['tau_mean']:>6.2f} {ev['speedup_vs_plain']:>8.2f} "
@@ -479,7 +481,7 @@ def main(argv=None) -> int:
     if args.eval_pages:
         held, _ = synthetic_pages(args.eval_pages, 850_000, args.workers)  # held-out seeds (< 1,000,000)
         record["eval"] = evaluate(loaded, net, _chunked(held, args.eval_chunk_pages), args.max_new_tokens,
-                                  k_max=args.eval_k_max or c.block, moe=args.moe, linear=args.linear)
+                                  k_max=args.eval_k_max or c.block, moe=args.moe, linear=args.linear, attn=args.attn)
     print(f"{'pages':>6} {'tokens':>7} {'steps':>6} {'loss first':>10} {'loss last':>9} {'tf tau':>7} {'tau':>6} "
           f"{'speedup':>8}")
     ev = record.get("eval", {})
