@@ -69,7 +69,7 @@ LINEAR_IMPLS = ("auto", "torch", "bmv")
 # width: there SDPA runs a memory-efficient fp32 kernel (~64 us a layer for one query over ~400 keys); the demo
 # model's plain step measured 1.04 ms with SDPA and 0.71 ms with matmul on the H200
 # (docs/results/eval_drafter_demo_s12e_bmv{,_matmul}_h200_2026-12-04.json).
-ATTN_IMPLS = ("sdpa", "matmul", "auto")
+ATTN_IMPLS = ("sdpa", "matmul", "matmul_t", "auto")  # matmul_t: matmul with both products transposed
 EMPTY = -(2**62)  # tag of a ring slot never written in this chunk: outside every window
 ALIGN = 16
 # prefix lengths a graph is kept for (steps of 128, 512, 1024): attention reads few slots it does not need
@@ -300,6 +300,13 @@ class StaticRswaRunner:
         if self.groups > 1:
             keys = keys.repeat_interleave(self.groups, dim=1)
             values = values.repeat_interleave(self.groups, dim=1)
+        if mask is not None and self.attn == "matmul_t":
+            # the same with both products written transposed (keys x queries^T, values^T x probs^T): cuBLAS then
+            # sees [slots, dim] x [dim, n] instead of [n, dim] x [dim, slots]; for the fp32 projections that
+            # shape measured ~7 us where n = 8-9 took ~31 us (scripts/profile_linear.py). Not measured here yet.
+            scores = torch.matmul(keys, q.transpose(2, 3)).transpose(2, 3) * scaling
+            probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+            return torch.matmul(values.transpose(2, 3), probs.transpose(2, 3)).transpose(2, 3)
         if mask is not None and (self.attn == "matmul" or (self.attn == "auto" and q.shape[2] > 1)):
             # as transformers' eager attention: scores in the model dtype, softmax in fp32. For 1-17 queries
             # over thousands of keys this is two batched GEMVs that spread over the whole key range, where a

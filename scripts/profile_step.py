@@ -33,7 +33,7 @@ from scripts.bench_engine import Clock, Page, build_model, run_engine  # noqa: E
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--moe", default="auto")
-    ap.add_argument("--attn", default="auto", help="comma-separated decode attention: auto,sdpa,matmul")
+    ap.add_argument("--attn", default="auto", help="comma-separated decode attention: auto,sdpa,matmul,matmul_t")
     ap.add_argument("--pages", type=int, default=1, help="pages in the chunk (prefix = 273 tokens per page + prompt)")
     ap.add_argument("--compile", action="store_true", help="compile the step body (slow to start: ~25 s per width)")
     ap.add_argument("--steps", type=int, default=200)

@@ -162,10 +162,11 @@ def test_linear_choice():
         StaticRswaRunner(None, 4, linear="cublas")
 
 
-@pytest.mark.parametrize("attn", ["matmul", "auto"])
+@pytest.mark.parametrize("attn", ["matmul", "matmul_t", "auto"])
 @pytest.mark.parametrize("n_pages", [1, 3])
 def test_other_attention(models, official, n_pages, attn):
-    """``matmul`` everywhere, and ``auto`` (SDPA at width 1, matmul for verify widths >= 2) in one decode."""
+    """``matmul`` everywhere, ``matmul_t`` (both products transposed), and ``auto`` (SDPA at width 1, matmul for
+    verify widths >= 2) in one decode."""
     loaded, pages, expected = models[128], _pages(n_pages), official(128, n_pages)
     vocab = loaded.model.config.text_config.vocab_size
     assert _ids(loaded, pages, LENGTHS[128], mode="plain", attn=attn) == expected
@@ -309,7 +310,8 @@ def test_cuda_graphs_equal_official_fp32(folders, window, n_pages):
     expected = official_generate(loaded, pages, _kind(n_pages), LENGTHS[window]).output_ids
     vocab = loaded.model.config.text_config.vocab_size
     for moe, attn, linear in [("auto", "sdpa", "auto"), ("dense", "sdpa", "auto"), ("gather", "sdpa", "auto"),
-                              ("mixed", "sdpa", "auto"), ("auto", "matmul", "auto"), ("auto", "auto", "torch")]:
+                              ("mixed", "sdpa", "auto"), ("auto", "matmul", "auto"), ("auto", "auto", "torch"),
+                              ("auto", "matmul_t", "auto")]:
         plain = FastDecoder(loaded, mode="plain", backend="graphs", moe=moe, attn=attn, linear=linear)
         assert plain.static.linear == ("bmv" if linear == "auto" else linear)
         res = plain.generate(pages, LENGTHS[window])
