@@ -7,9 +7,10 @@
     python3 scripts/train_drafter.py --model models/demo --init models/demo/drafter --page-seed 1100000 --lr 5e-4
     python3 scripts/train_drafter.py --model models/demo --eval-only --eval-pages 30   # live check of <model>/drafter
 
-How models/demo/drafter was made (one H200, session 11): 4 minutes on 2,500 label pages, then 3.5 minutes more
-from it (`--init`) on 2,000 new ones (`--page-seed 1100000 --lr 5e-4`); both with `--workers 15 --batch 512
---anchors 16`; docs/benchmarks.md has the figures.
+How models/demo/drafter was made (one H200, sessions 11-12): 4 minutes on 2,500 label pages, then 3.5 minutes more
+from it (`--init`) on 2,000 new ones (`--page-seed 1100000 --lr 5e-4`), then 3 minutes more on 2,000 new pages
+as chunks of 1-4 pages (`--page-seed 1200000 --multi-frac 0.5 --multi-pages 4 --lr 5e-4`); all with `--workers 15
+--batch 512 --anchors 16`; docs/benchmarks.md has the figures.
 
 1. Pages: your own (`--images DIR`: PDFs, TIFFs, PNGs, JPEGs, rendered as uflash renders them) or synthetic
    image-only pages (`scripts.synth`, scan effects, training seeds >= 1,000,000; `--workers` render them).
@@ -18,9 +19,9 @@ from it (`--init`) on 2,000 new ones (`--page-seed 1100000 --lr 5e-4`); both wit
    the fast path) and the forward over its output must reproduce every greedy token;
    `--data labels` (the default for synthetic pages): the forward runs over the page's label tokens and keeps the
    target's greedy choice at each position; blocks are cut where the label leaves the greedy path. No decode:
-   many times more pages a minute. `--multi-frac F` makes a share F of the label sequences chunks of 2 to
-   `--multi-pages` pages (the multi-page prompt uflash decodes; a drafter trained on single pages only drafts
-   far worse there: tau 1.76 against 3.06 on the same page alone).
+   many times more pages a minute. `--multi-frac F` makes a share F of the sequences (either kind of data)
+   chunks of 2 to `--multi-pages` consecutive pages (the multi-page prompt uflash decodes; a drafter trained on
+   single pages only drafts far worse there: tau 1.76 against 3.06 on the same page alone).
 3. Training: random anchors t; from the features of the C inputs before o_t, the embedding of o_t and (with
    `--memory`, the default) the prompt's features, predict o_{t+1} .. o_{t+k}; cross-entropy weighted towards early
    block positions; AdamW, cosine schedule. Each batch takes `--anchors` anchors from each of its pages.
@@ -104,12 +105,14 @@ def folder_pages(folder: Path, limit: int) -> list:
     return pages
 
 
-def decode_plain(loaded, pages: list, max_new_tokens: int, desc: str) -> list[list[int]]:
-    """The target's own greedy outputs, on the engine's fast path (CUDA graphs on a GPU)."""
+def decode_plain(loaded, chunks: list[list], max_new_tokens: int, desc: str) -> list[list[int]]:
+    """The target's own greedy outputs of each chunk (a list of page images; ``max_new_tokens`` per page), on the
+    engine's fast path (CUDA graphs on a GPU)."""
     from engine.fast_decoder import FastDecoder
 
     plain = FastDecoder(loaded, mode="plain")
-    return [plain.generate([page], max_new_tokens).output_ids for page in tqdm(pages, desc=desc, unit="page")]
+    return [plain.generate(chunk, max_new_tokens * len(chunk)).output_ids
+            for chunk in tqdm(chunks, desc=desc, unit="chunk")]
 
 
 def label_ids(loaded, label: str) -> list[int]:
@@ -141,10 +144,11 @@ def chunk_groups(n: int, multi_frac: float, max_pages: int, seed: int) -> list[l
     return groups
 
 
-def build_teacher(loaded, pages, outputs, layers, store_dtype=None):
+def build_teacher(loaded, chunks, outputs, layers, store_dtype=None):
+    """Decode data: one sequence per chunk (a list of page images) and its decoded output ids."""
     seqs = []
-    for page, ids in tqdm(list(zip(pages, outputs)), desc="teacher features", unit="page"):
-        seq = teacher_features(loaded, [page], ids, layers)
+    for chunk, ids in tqdm(list(zip(chunks, outputs)), desc="teacher features", unit="chunk"):
+        seq = teacher_features(loaded, chunk, ids, layers)
         if len(seq.output_ids) > 1:
             seq.features = seq.features.to(store_dtype or seq.features.dtype)
             seqs.append(seq)
@@ -358,8 +362,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-chunk-pages", type=int, default=1, help="live check: pages per decoded chunk")
     ap.add_argument("--eval-k-max", type=int, help="live check: longest draft verified (default: the block size)")
     ap.add_argument("--multi-frac", type=float, default=0.0,
-                    help="share of label-data chunks of 2..--multi-pages pages (multi-page prompts, as uflash's "
-                         "chunks); also for the held-out pages")
+                    help="share of training chunks of 2..--multi-pages consecutive pages (multi-page prompts, as "
+                         "uflash's chunks); also for the held-out label pages")
     ap.add_argument("--multi-pages", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=1500)
     ap.add_argument("--device", default="auto")
@@ -381,7 +385,8 @@ def main(argv=None) -> int:
                     "(auto, gather, grouped, dense, mixed; engine/static_moe.py)")
     ap.add_argument("--linear", default="auto", help="live check: the static step's projections (auto, torch, bmv; "
                     "engine/static_runner.py)")
-    ap.add_argument("--attn", default="auto", help="live check: the static step's attention (auto, sdpa, matmul)")
+    ap.add_argument("--attn", default="auto",
+                    help="live check: the static step's attention (auto, sdpa, matmul, matmul_t)")
     ap.add_argument("--json", help="also write the record here")
     args = ap.parse_args(argv)
     if not args.model and not args.tiny:
@@ -435,13 +440,14 @@ def main(argv=None) -> int:
     else:
         pages, labels = synthetic_pages(args.pages, args.page_seed, args.workers)
     render_s = time.time() - t0
+    groups = chunk_groups(len(pages), args.multi_frac, args.multi_pages, args.seed)
     if data == "decode":
-        outputs = decode_plain(loaded, pages, args.max_new_tokens, "decoding (plain)")
+        chunks = [[pages[i] for i in group] for group in groups]
+        outputs = decode_plain(loaded, chunks, args.max_new_tokens, "decoding (plain)")
         decode_s = time.time() - t0 - render_s
-        seqs = build_teacher(loaded, pages, outputs, layers, store)
+        seqs = build_teacher(loaded, chunks, outputs, layers, store)
     else:
         decode_s = 0.0
-        groups = chunk_groups(len(pages), args.multi_frac, args.multi_pages, args.seed)
         seqs = build_label_teacher(loaded, pages, labels, layers, store, groups)
     teacher_s = time.time() - t0 - render_s - decode_s
     heldout = None

@@ -112,7 +112,8 @@ def test_policy_counts_acceptance_by_draft_position():
 
 
 @pytest.mark.parametrize("data", [["--data", "labels", "--heldout-pages", "1"], ["--data", "decode", "--no-memory"],
-                                  ["--data", "labels", "--multi-frac", "1", "--multi-pages", "2"]])
+                                  ["--data", "labels", "--multi-frac", "1", "--multi-pages", "2"],
+                                  ["--data", "decode", "--multi-frac", "1", "--multi-pages", "2"]])
 def test_train_drafter_script_end_to_end_and_uflash_uses_the_result(tmp_path, data):
     from scripts.train_drafter import main
 
