@@ -234,10 +234,10 @@ def load_decoder(path: str, device: str = "auto", dtype: str = "auto", mode: str
                  fast_threshold: float | None = None, compile_step: bool = False) -> ChunkDecoder:
     """official: transformers generate(); plain / lossless: the speculative engine (token-identical), on CUDA
     graphs over static buffers when the model is on a GPU (`engine.fast_decoder`; any failure there falls back
-    to the eager engine, logged), eager on the CPU; fast: relaxed acceptance at ``fast_threshold`` (eager).
-    lossless and fast also draft with the checkpoint's block drafter when it has one (`load_block_drafter`).
-    compile_step: ``torch.compile`` the GPU decode step before its graphs are captured (plain / lossless on CUDA;
-    no effect elsewhere)."""
+    to the eager engine, logged), eager on the CPU; fast: relaxed acceptance at ``fast_threshold``, on the same
+    paths. lossless and fast also draft with the checkpoint's block drafter when it has one (`load_block_drafter`).
+    compile_step: ``torch.compile`` the GPU decode step before its graphs are captured (plain / lossless / fast on
+    CUDA; no effect elsewhere)."""
     from engine.fast_decoder import FastDecoder
     from engine.model import load_model
     from engine.speculative import MODES

@@ -42,9 +42,9 @@ DrafterFactory = Callable[[str, "list[str] | None", "list[int] | None"], list[Dr
 
 class FastDecoder(SpeculativeDecoder):
     """moe: routed-expert implementation of the static step (`engine.static_moe`); attn: its attention
-    (``auto``, ``sdpa`` or ``matmul``, see `engine.static_runner`); compile_step: ``torch.compile`` the step before the
-    graphs capture it (fewer, fused kernels; `engine.static_runner`); linear: how the step writes its projections
-    (``auto``, ``torch`` or ``bmv``, `engine.static_runner`).
+    (``auto``, ``sdpa``, ``matmul`` or ``matmul_t``, see `engine.static_runner`); compile_step: ``torch.compile``
+    the step before the graphs capture it (fewer, fused kernels; `engine.static_runner`); linear: how the step
+    writes its projections (``auto``, ``torch`` or ``bmv``, `engine.static_runner`).
     drafter_factory: (prompt kind, reference_texts, replay_ids) -> drafters, replacing the named ones
     (benchmarks use it to feed drafts of a controlled quality). prefix_capacity: see StaticRswaRunner.
     engine_options: passed on to SpeculativeDecoder (e.g. fast_threshold for mode ``fast``)."""
