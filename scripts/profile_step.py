@@ -97,8 +97,8 @@ def main() -> int:
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12)
             print(f"--- moe {moe}, attn {attn}: top kernels of 20 width-{width} replays\n{table}")
             if args.ops:  # the same step run eagerly: which op (and shapes) each kernel belongs to
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                        torch.profiler.ProfilerActivity.CUDA], record_shapes=True) as prof:
+                activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
                     for _ in range(5):
                         runner.step_body(width, runner.prefix_bucket)
                     torch.cuda.synchronize()

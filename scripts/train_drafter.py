@@ -55,6 +55,7 @@ from tqdm import tqdm  # noqa: E402
 from engine.drafters.block import BlockDrafterConfig, BlockDrafterNet, block_loss, drafter_folder  # noqa: E402
 from engine.drafters.block_teacher import (label_features, make_examples, teacher_features,  # noqa: E402
                                           training_windows)
+from scripts.drafter_live_check import chunked, evaluate  # noqa: E402
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".tif", ".tiff"}
 
@@ -275,71 +276,6 @@ def train(net: BlockDrafterNet, loaded, seqs, steps: int | None, seconds: float 
     return out
 
 
-def evaluate(loaded, net, chunks, max_new_tokens: int, k_max: int, moe: str = "auto", linear: str = "auto",
-             attn: str = "auto") -> dict:
-    """lossless with the block drafter alone vs plain on the same chunks (lists of page images), side by side
-    (moe: the static step's routed-expert implementation, `engine.static_moe`)."""
-    from engine.fast_decoder import FastDecoder
-
-    plain = FastDecoder(loaded, mode="plain", moe=moe, linear=linear, attn=attn)
-    spec = FastDecoder(loaded, mode="lossless", k_max=k_max, drafters=("block",), block_net=net, moe=moe,
-                       linear=linear, attn=attn)
-    rows, identical = [], 0
-    for chunk in tqdm(chunks, desc="live check (plain, lossless+block)", unit="chunk"):
-        a = plain.generate(chunk, max_new_tokens * len(chunk))
-        b = spec.generate(chunk, max_new_tokens * len(chunk))
-        identical += a.output_ids == b.output_ids
-        s = b.extra["speculative"]
-        p = a.extra["speculative"]
-        rows.append({"tokens": len(b.output_ids), "plain_s": a.seconds, "block_s": b.seconds, "tau": s["tau"],
-                     "draft_share": s["draft_share"], "rounds": s["verify_rounds"], "singles": s["single_steps"],
-                     "draft_s": s["draft_s"], "verify_s": s["verify_s"], "single_s": s["single_s"],
-                     "plain_steps": p["single_steps"], "plain_step_s": p["single_s"],
-                     "by_position": s["drafters"].get("block", {}).get("acceptance_by_position", [])})
-    n = len(rows)
-
-    def ms(num: str, den: str) -> float:
-        return round(1000 * sum(r[num] for r in rows) / max(1, sum(r[den] for r in rows)), 3)
-
-    return {"pages": sum(len(c) for c in chunks), "chunks": n, "identical": identical, "tau_mean": round(sum(r["tau"] for r in rows) / n, 3),
-            "speedup_vs_plain": round(sum(r["plain_s"] for r in rows) / sum(r["block_s"] for r in rows), 3),
-            "plain_s": round(sum(r["plain_s"] for r in rows), 2), "block_s": round(sum(r["block_s"] for r in rows), 2),
-            "draft_share": round(sum(r["draft_share"] for r in rows) / n, 4),
-            # where a round's time goes: ms per plain step, per draft, per verify round, per single step
-            "ms_plain_step": ms("plain_step_s", "plain_steps"), "ms_draft": ms("draft_s", "rounds"),
-            "ms_verify_round": ms("verify_s", "rounds"), "ms_single_step": ms("single_s", "singles"),
-            "backend": b.extra["speculative"].get("backend", "eager"), "moe": b.extra["speculative"].get("moe"),
-            "linear": b.extra["speculative"].get("linear"), "attn": b.extra["speculative"].get("attn"),
-            "acceptance_by_position": _mean_lists([r["by_position"] for r in rows]),
-            "ms_step_by_width": step_ms_by_width(spec.static)}
-
-
-def step_ms_by_width(runner, repeats: int = 50) -> dict[str, float]:
-    """ms per bare ``runner.step`` (stage + forward + the one host sync, nothing committed) at each verify width
-    the runner keeps, on the chunk it holds last: what a verify round costs before the loop's own work."""
-    if runner is None or not runner.prefix_len:
-        return {}
-    out = {}
-    for width in runner.widths:
-        ids = [0] * width
-        runner.step(ids)  # warm (a graph is captured already, or the eager body runs once)
-        t = time.perf_counter()
-        for _ in range(repeats):
-            runner.step(ids)
-        out[str(width)] = round(1000 * (time.perf_counter() - t) / repeats, 3)
-    return out
-
-
-def _chunked(pages: list, size: int) -> list[list]:
-    return [pages[i : i + max(1, size)] for i in range(0, len(pages), max(1, size))]
-
-
-def _mean_lists(lists):
-    width = max((len(x) for x in lists), default=0)
-    cols = [[x[j] for x in lists if j < len(x)] for j in range(width)]
-    return [round(sum(c) / len(c), 3) for c in cols]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="checkpoint folder (e.g. models/demo, or a downloaded baidu/Unlimited-OCR)")
@@ -423,8 +359,9 @@ def main(argv=None) -> int:
         net = BlockDrafterNet.load(folder, loaded.device, loaded.dtype)
         held, _ = synthetic_pages(args.eval_pages, 850_000, args.workers)
         record = {"model": str(args.model), "drafter": str(folder),
-                  "eval": evaluate(loaded, net, _chunked(held, args.eval_chunk_pages), args.max_new_tokens,
-                                   k_max=args.eval_k_max or net.config.block, moe=args.moe, linear=args.linear, attn=args.attn)}
+                  "eval": evaluate(loaded, net, chunked(held, args.eval_chunk_pages), args.max_new_tokens,
+                                   k_max=args.eval_k_max or net.config.block, moe=args.moe, linear=args.linear,
+                                   attn=args.attn)}
         ev = record["eval"]
         print(f"{'pages':>6} {'identical':>9} {'tau':>6} {'speedup':>8} {'ms plain':>9} {'ms draft':>9} {'ms verify':>10}")
         print(f"{ev['pages']:>6} {ev['identical']:>9} {ev['tau_mean']:>6.2f} {ev['speedup_vs_plain']:>8.2f} "
@@ -486,7 +423,7 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps(record, indent=1))  # kept if the live check is cut short
     if args.eval_pages:
         held, _ = synthetic_pages(args.eval_pages, 850_000, args.workers)  # held-out seeds (< 1,000,000)
-        record["eval"] = evaluate(loaded, net, _chunked(held, args.eval_chunk_pages), args.max_new_tokens,
+        record["eval"] = evaluate(loaded, net, chunked(held, args.eval_chunk_pages), args.max_new_tokens,
                                   k_max=args.eval_k_max or c.block, moe=args.moe, linear=args.linear, attn=args.attn)
     print(f"{'pages':>6} {'tokens':>7} {'steps':>6} {'loss first':>10} {'loss last':>9} {'tf tau':>7} {'tau':>6} "
           f"{'speedup':>8}")
