@@ -91,3 +91,19 @@ def test_bench_engine_planted_chain_keeps_bf16_drafts_aligned(capsys):
     assert rc == 0 and report["model"]["planted_chain_scale"] == 30
     runs = report["chunks"][0]["runs"]
     assert runs["lossless-0%"]["equal_to_plain"] and runs["lossless-0%"]["tau"] >= 15
+
+
+def test_bench_replay_k_tiny_smoke(tmp_path, capsys):
+    """Every re-run at every k is checked token-identical to the first decode inside the script (else it exits)."""
+    from engine.tiny import build_tiny_model
+    from scripts import bench_replay_k
+
+    model = build_tiny_model(tmp_path / "tiny", sliding_window=8, seed=0)
+    path = tmp_path / "replay.json"
+    rc = bench_replay_k.main(["--model", str(model), "--device", "cpu", "--dtype", "float32", "--chunks", "1",
+                              "--pages-per-chunk", "2", "--k", "4,16", "--max-new-tokens", "30", "--json", str(path)])
+    report = _last_json(capsys)
+    assert rc == 0 and report == json.loads(path.read_text())
+    (chunk,) = report["chunks"]
+    assert set(chunk["rerun"]) == {"4", "16"} and chunk["tokens"] > 0
+    assert chunk["rerun"]["16"]["forwards"] <= chunk["rerun"]["4"]["forwards"]
