@@ -68,7 +68,7 @@ def test_lossless_with_the_block_drafter_is_token_identical_and_fed_the_rswa_fea
     # replay drafts right at every other token: rounds accept 0, 1 or several tokens, so every feed size occurs
     replay = [t if i % 3 else (t + 5) % vocab for i, t in enumerate(official)]
     dec = Recording(tiny, mode="lossless", k_max=6, drafters=("block", "replay"), block_net=net,
-                    block_beside_copies=True)
+                    block_beside_copies=True, replay_k_max=6)
     res = dec.generate(pages, LENGTH, replay_ids=replay)
     assert res.output_ids == official
     stats = res.extra["speculative"]["drafters"]
@@ -106,6 +106,8 @@ def test_policy_counts_acceptance_by_draft_position():
             return [1] * k
 
     policy = DraftPolicy([Fixed()], k_max=4)
+    assert policy.propose([], 100) == ("fixed", [1] * 4)
+    assert DraftPolicy([Fixed()], k_max=4, caps={"fixed": 9}).propose([], 100) == ("fixed", [1] * 9)
     policy.record("fixed", 4, 2)
     policy.record("fixed", 3, 0)
     assert policy.stats["fixed"].as_dict()["acceptance_by_position"] == [0.5, 0.5, 0.0, 0.0]

@@ -186,8 +186,27 @@ def test_ring_sizes_around_the_window(models, official, k_max):
     expected = official(4, 1)
     vocab = models[4].model.config.text_config.vocab_size
     for how in ["right", "every_other"]:
-        ids = decode_ids(models[4], _pages(1), LENGTHS[4], k_max=k_max, replay_ids=_corrupt(expected, vocab, how))
+        ids = decode_ids(models[4], _pages(1), LENGTHS[4], k_max=k_max, replay_k_max=k_max,
+                         replay_ids=_corrupt(expected, vocab, how))
         assert ids == expected, (k_max, how)
+
+
+@pytest.mark.parametrize("n_pages", [1, 3])
+def test_a_rerun_replays_longer_drafts(models, official, n_pages):
+    """The replay drafter's own cap (replay_k_max, 64 by default): a re-run with the right replay takes far fewer
+    forwards than at k_max 16, token-identical; a corrupted replay still decodes the official tokens."""
+    loaded, pages, expected = models[128], _pages(n_pages), official(128, n_pages)  # 400 tokens, past the window
+    vocab = loaded.model.config.text_config.vocab_size
+    forwards = {}
+    for cap in (16, 64):
+        res = SpeculativeDecoder(loaded, replay_k_max=cap).generate(pages, len(expected), replay_ids=expected)
+        assert res.output_ids == expected, cap
+        forwards[cap] = res.extra["speculative"]["forwards"]
+    assert 2 * forwards[64] < forwards[16]
+    for how in ["every_other", "random_half", "wrong"]:
+        assert decode_ids(loaded, pages, len(expected), replay_ids=_corrupt(expected, vocab, how)) == expected, how
+    with pytest.raises(ValueError, match="replay_k_max"):
+        SpeculativeDecoder(loaded, replay_k_max=0)
 
 
 @pytest.mark.parametrize("n_pages", [1, 3])

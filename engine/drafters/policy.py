@@ -2,8 +2,10 @@
 
 - Every active drafter proposes up to its own K (capped by the room left); the longest proposal wins
   (the first drafter in order on ties).
-- After a round the winner's K becomes ``min(k_max, 2 * (accepted + 1))``: it doubles while drafts are
-  fully accepted and shrinks to just past what was accepted otherwise.
+- After a round the winner's K becomes ``min(cap, 2 * (accepted + 1))``: it doubles while drafts are
+  fully accepted and shrinks to just past what was accepted otherwise. ``cap`` is ``k_max``, or the drafter's
+  own entry in ``caps`` (e.g. a longer one for the replay drafter of a re-run, whose drafts are nearly always
+  right); a drafter starts at its cap.
 - A drafter that declares ``max_draft`` (the longest draft it can make, e.g. the block drafter's block) is not
   asked when a draft at least that long (or as long as its K) is already in hand: it could not win the round.
   Drafters are asked in their configured order, so the cheap copy drafters go before the block network.
@@ -36,12 +38,12 @@ class DrafterStats:
 
 
 class DraftPolicy:
-    def __init__(self, drafters: list[Drafter], k_max: int):
-        if k_max < 1:
-            raise ValueError("k_max must be >= 1")
+    def __init__(self, drafters: list[Drafter], k_max: int, caps: dict[str, int] | None = None):
+        if k_max < 1 or any(cap < 1 for cap in (caps or {}).values()):
+            raise ValueError("k_max and every cap must be >= 1")
         self.drafters = list(drafters)
-        self.k_max = k_max
-        self.k = {d.name: k_max for d in self.drafters}
+        self.cap = {d.name: (caps or {}).get(d.name, k_max) for d in self.drafters}
+        self.k = dict(self.cap)
         self.stats = {d.name: DrafterStats() for d in self.drafters}
         self._sit_out = {d.name: 0 for d in self.drafters}
         self._backoff = {d.name: 1 for d in self.drafters}
@@ -72,7 +74,7 @@ class DraftPolicy:
         for j in range(proposed):
             stats.proposed_at[j] += 1
             stats.accepted_at[j] += j < accepted
-        self.k[name] = min(self.k_max, 2 * (accepted + 1))
+        self.k[name] = min(self.cap[name], 2 * (accepted + 1))
         if accepted == 0:
             self._sit_out[name] = self._backoff[name]
             self._backoff[name] = min(MAX_BACKOFF, 2 * self._backoff[name])
