@@ -52,7 +52,7 @@ def main(argv=None) -> int:
         first = first_decoder.generate(chunk, limit)
         row = {"tokens": len(first.output_ids), "first_s": round(time.perf_counter() - t, 3), "rerun": {}}
         for k in ks:
-            rerun_decoder = FastDecoder(loaded, mode="lossless", k_max=k)  # uflash's engine (graphs on a GPU)
+            rerun_decoder = FastDecoder(loaded, mode="lossless", k_max=k, replay_k_max=k)  # graphs on a GPU
             t = time.perf_counter()
             res = rerun_decoder.generate(chunk, limit, replay_ids=first.output_ids)
             seconds = time.perf_counter() - t
