@@ -143,7 +143,7 @@ class FastDecoder(SpeculativeDecoder):
         t_capture = time.perf_counter()
         captured = runner.capture_graphs()  # GraphCaptureError -> eager engine (caller)
         capture_s = time.perf_counter() - t_capture
-        policy = DraftPolicy(drafters, self.k_max, self._caps(drafters, min(self.replay_k_max, self.k_max)))
+        policy = DraftPolicy(drafters, self.k_max)  # the runner's widths end at k_max + 1: replay stays within k_max
         fast = self.fast_threshold if self.mode == "fast" else None
         strict = frozenset(i for i in (eos, loaded.page_sep_id) if i is not None)
 
