@@ -10,7 +10,12 @@
   asked when a draft at least that long (or as long as its K) is already in hand: it could not win the round.
   Drafters are asked in their configured order, so the cheap copy drafters go before the block network.
 - A drafter whose draft was wholly rejected sits out ``backoff`` rounds (1, 2, 4 .. 16, reset by any
-  acceptance), so an always-wrong drafter costs little more than plain decoding.
+  acceptance), so an always-wrong drafter costs little more than plain decoding. A drafter that declares
+  ``sits_out = False`` never sits out: its proposal costs nothing and it re-aligns itself after a miss (the
+  replay drafter of a re-run), and its K already fell to 2, so a wrong draft costs a width-3 verify. Benching it
+  turned rounds after the re-run's text re-joined the earlier one into single steps: a lossless re-run of 50 scan
+  pages after a fast pass (threshold 0.3; CPU; `scripts/bench_fast.py --scan`) took 4,535 forwards with the replay
+  drafter benched after misses and 4,063 without (docs/results/bench_fast_demo50_scan_*_s13_*).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class DraftPolicy:
         self.stats = {d.name: DrafterStats() for d in self.drafters}
         self._sit_out = {d.name: 0 for d in self.drafters}
         self._backoff = {d.name: 1 for d in self.drafters}
+        self._benched = {d.name: getattr(d, "sits_out", True) for d in self.drafters}
 
     def propose(self, committed_ids: list[int], room: int) -> tuple[str | None, list[int]]:
         """(drafter name, draft of at most ``room`` tokens); (None, []) when nobody has a draft."""
@@ -75,7 +81,7 @@ class DraftPolicy:
             stats.proposed_at[j] += 1
             stats.accepted_at[j] += j < accepted
         self.k[name] = min(self.cap[name], 2 * (accepted + 1))
-        if accepted == 0:
+        if accepted == 0 and self._benched[name]:
             self._sit_out[name] = self._backoff[name]
             self._backoff[name] = min(MAX_BACKOFF, 2 * self._backoff[name])
         else:

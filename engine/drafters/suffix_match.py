@@ -121,6 +121,7 @@ class ReferenceDrafter(SuffixMatchDrafter):
 
 class ReplayDrafter(SuffixMatchDrafter):
     name = "replay"
+    sits_out = False  # `DraftPolicy`: never benched after a miss (free to ask, re-aligns itself)
 
     def __init__(self, replay_ids: list[int], **ngram_sizes):
         super().__init__(replay_ids, start_aligned=True, **ngram_sizes)
