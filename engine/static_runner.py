@@ -49,13 +49,13 @@ import torch.nn.functional as F
 from loguru import logger
 from transformers.models.unlimited_ocr.modeling_unlimited_ocr import apply_rotary_pos_emb
 
+from engine.gemv import batched_gemv
 from engine.runner import RswaRunner
 from engine.static_moe import experts_forward, resolve
 
 # decode-step projections (attention q/k/v/o, dense and shared-expert MLPs; not the router or lm_head):
 # ``torch`` = the modules' own F.linear; ``bmv`` = one matrix-vector product per step token, batched
-# (matmul of the weight [1, out, in] with the tokens [T, in, 1]); ``auto`` = ``bmv`` for fp32 on CUDA, else
-# ``torch``. Why: for fp32 [8-9, 384] x [384, 384] cuBLAS picks a ~31 us xmma GEMM kernel where width 4
+# (`engine.gemv.batched_gemv`); ``auto`` = ``bmv`` for fp32 on CUDA, else ``torch``. Why: for fp32 [8-9, 384] x [384, 384] cuBLAS picks a ~31 us xmma GEMM kernel where width 4
 # takes ~7 us and a batched GEMV ~3 us (H200, scripts/profile_linear.py,
 # docs/results/profile_linear_h200_2026-12-04.json); the demo model's width-9 verify step cost 2.1 ms against
 # 1.1 ms at width 4 (24 such projections a step). Each row is the same GEMV a single-token step runs.
@@ -283,13 +283,7 @@ class StaticRswaRunner:
 
     def _proj(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """A step's projection ``module(x)`` for x [1, n, in], written as ``self.linear`` says."""
-        if self.linear == "torch":
-            return module(x)
-        n = x.shape[1]
-        out = torch.matmul(module.weight[None], x.reshape(n, -1, 1))[..., 0]  # n GEMVs: [n, out]
-        if module.bias is not None:
-            out = out + module.bias
-        return out.view(1, n, -1)
+        return module(x) if self.linear == "torch" else batched_gemv(module, x)
 
     def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
         """``UnlimitedOcrTextMLP.forward`` (down(act(gate(x)) * up(x))) with the step's projections."""
