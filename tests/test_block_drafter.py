@@ -113,6 +113,30 @@ def test_policy_counts_acceptance_by_draft_position():
     assert policy.stats["fixed"].as_dict()["acceptance_by_position"] == [0.5, 0.5, 0.0, 0.0]
 
 
+
+def test_policy_benches_a_missing_drafter_but_never_the_replay_drafter():
+    """A wholly rejected draft benches its drafter for 1, 2, 4 .. rounds; one that declares sits_out = False (the
+    replay drafter: free to ask, re-aligns itself) is asked again the very next round, with K cut to 2."""
+    from engine.drafters.suffix_match import ReplayDrafter
+
+    class Guess:
+        name = "guess"
+
+        def propose(self, committed, k):
+            return [7] * k
+
+    replay = ReplayDrafter([5] * 40)
+    policy = DraftPolicy([Guess()], k_max=8)
+    policy.record("guess", 8, 0)
+    assert policy.propose([0], 100) == (None, [])  # benched for one round
+    assert policy.propose([0], 100) == ("guess", [7] * 2)
+    policy.record("guess", 2, 0)
+    assert [policy.propose([0], 100)[0] for _ in range(3)] == [None, None, "guess"]  # two rounds now
+    policy = DraftPolicy([replay], k_max=8, caps={"replay": 64})
+    assert policy.propose([5], 100) == ("replay", [5] * 39)
+    policy.record("replay", 39, 0)
+    assert policy.propose([5], 100) == ("replay", [5] * 2)
+
 @pytest.mark.parametrize("data", [["--data", "labels", "--heldout-pages", "1"], ["--data", "decode", "--no-memory"],
                                   ["--data", "labels", "--multi-frac", "1", "--multi-pages", "2"],
                                   ["--data", "decode", "--multi-frac", "1", "--multi-pages", "2"]])
@@ -181,14 +205,15 @@ def test_the_static_runner_feeds_the_block_drafter_the_same_features(tiny):
         assert not k[:, :, P:].any() and not v[:, :, P:].any()
 
 
-@pytest.mark.parametrize("memory", [False, True])
-def test_the_static_block_drafter_drafts_what_the_eager_one_drafts(tiny, memory):
+@pytest.mark.parametrize("memory,linear", [(False, "torch"), (True, "torch"), (True, "bmv")])
+def test_the_static_block_drafter_drafts_what_the_eager_one_drafts(tiny, memory, linear):
     """Same network, same feeds (the prompt, then rounds of 1, 2, 5 and 40 inputs): the static-buffer drafter
-    (padded page memory, context shifted in place) proposes the eager drafter's tokens, decode after decode."""
+    (padded page memory, context shifted in place; its linears as F.linear or batched GEMVs) proposes the eager
+    drafter's tokens, decode after decode."""
     net = _net(tiny, context=16, block=6, memory=memory)
     model = tiny.model
     embed, head = model.get_input_embeddings(), model.lm_head
-    static = StaticBlockDrafter(net, embed, head, graphs=False, memory_bucket=64)
+    static = StaticBlockDrafter(net, embed, head, graphs=False, memory_bucket=64, linear=linear)
     width = len(net.config.layers) * model.config.text_config.hidden_size
     gen = torch.Generator().manual_seed(3)
     for prompt_len in (70, 128):  # a padded bucket, then one that fits exactly: state is reset between decodes
