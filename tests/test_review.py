@@ -278,10 +278,14 @@ def test_bench_fast_smoke(tmp_path):
     from scripts.bench_fast import main
 
     rec = main(["--tiny", "--pages", "2", "--pages-per-doc", "2", "--max-tokens-per-page", "16",
-                "--max-pages-per-chunk", "1", "--fast-threshold", "0.01", "--workdir", str(tmp_path)])
+                "--max-pages-per-chunk", "1", "--fast-threshold", "0.01,0.6", "--workdir", str(tmp_path)])
     assert rec["pages"] == 2 and rec["rerun_equals_lossless"] is True and rec["rerun_pages_equal"] == 2
     assert rec["fast"]["tokens"] == rec["lossless"]["tokens"] == 32  # fast never cuts output short
     assert {"speedup_fast_vs_lossless", "fast_edit_distance_mean", "fast_edit_distance_max", "env"} <= set(rec)
+    assert [r["fast_threshold"] for r in rec["sweep"]] == [0.01, 0.6] and rec["sweep"][0]["fast"] == rec["fast"]
+    low, high = rec["sweep"]
+    assert high["fast"]["relaxed_tokens"] == 0 and high["fast_edit_distance_max"] == 0.0  # above 0.5: never relaxes
+    assert rec["lossless"]["forwards"] >= 2 and all(r["rerun_pages_equal"] == 2 for r in rec["sweep"])
 
 
 def test_rerun_plans_chunks_from_the_pages_picked(db):
