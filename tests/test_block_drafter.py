@@ -87,6 +87,26 @@ def test_lossless_with_the_block_drafter_is_token_identical_and_fed_the_rswa_fea
     assert alone.generate(pages, LENGTH).output_ids == official
 
 
+@pytest.mark.parametrize("memory", [False, True])
+def test_the_last_draft_layer_computes_only_the_block_rows_and_gives_what_every_row_gives(memory):
+    """The forward runs the last layer on the block rows only (queries; every row stays a key and value): the
+    logits equal those of every layer over every row, sliced to the block rows afterwards."""
+    torch.manual_seed(0)
+    c = BlockDrafterConfig(target_hidden=24, layers=[0, 1], block=5, context=7, dim=32, num_layers=3, num_heads=4,
+                           memory=memory)
+    net = BlockDrafterNet(c).eval()
+    head = torch.nn.Linear(24, 50)
+    features, last = torch.randn(2, c.context, 48), torch.randn(2, 24)
+    mem = net.encode_memory(torch.randn(2, 11, 48), lengths=[11, 6])
+    with torch.no_grad():
+        got = net(features, last, head, mem)
+        x = torch.cat([net.fuse(features), net.embed_in(last)[:, None], net.mask_token.expand(2, c.block - 1, -1)],
+                      dim=1) + net.positions.weight[None]
+        for i, layer in enumerate(net.blocks):
+            x = layer(x, net.allowed, mem, i)  # every row, every layer
+        want = head(net.head_in(net.norm(x[:, c.context:])))
+    assert got.shape == (2, c.block, 50) and torch.allclose(got, want, atol=1e-5)
+
 def test_teacher_features_refuse_a_token_the_target_would_not_choose(tiny):
     page = [text_page(0)]
     ids = official_generate(tiny, page, "single", 40).output_ids
