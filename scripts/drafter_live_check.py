@@ -11,14 +11,15 @@ from tqdm import tqdm
 
 
 def evaluate(loaded, net, chunks, max_new_tokens: int, k_max: int, moe: str = "auto", linear: str = "auto",
-             attn: str = "auto", draft_linear: str = "torch") -> dict:
+             attn: str = "auto", draft_linear: str = "torch", block_sits_out: bool = True) -> dict:
     """lossless with the block drafter alone vs plain on the same chunks (lists of page images), side by side
-    (moe, linear, attn: the static step's, `engine.static_runner`; draft_linear: the drafter's static forward)."""
+    (moe, linear, attn: the static step's, `engine.static_runner`; draft_linear: the drafter's static forward;
+    block_sits_out: see `engine.speculative.SpeculativeDecoder`)."""
     from engine.fast_decoder import FastDecoder
 
     plain = FastDecoder(loaded, mode="plain", moe=moe, linear=linear, attn=attn)
     spec = FastDecoder(loaded, mode="lossless", k_max=k_max, drafters=("block",), block_net=net, moe=moe,
-                       linear=linear, attn=attn, draft_linear=draft_linear)
+                       linear=linear, attn=attn, draft_linear=draft_linear, block_sits_out=block_sits_out)
     rows, identical = [], 0
     for chunk in tqdm(chunks, desc="live check (plain, lossless+block)", unit="chunk"):
         a = plain.generate(chunk, max_new_tokens * len(chunk))
@@ -46,7 +47,7 @@ def evaluate(loaded, net, chunks, max_new_tokens: int, k_max: int, moe: str = "a
             "ms_verify_round": ms("verify_s", "rounds"), "ms_single_step": ms("single_s", "singles"),
             "backend": b.extra["speculative"].get("backend", "eager"), "moe": b.extra["speculative"].get("moe"),
             "linear": b.extra["speculative"].get("linear"), "attn": b.extra["speculative"].get("attn"),
-            "draft_linear": b.extra["speculative"].get("draft_linear"),
+            "draft_linear": b.extra["speculative"].get("draft_linear"), "block_sits_out": block_sits_out,
             "acceptance_by_position": mean_lists([r["by_position"] for r in rows]),
             "ms_step_by_width": step_ms_by_width(spec.static)}
 

@@ -325,6 +325,8 @@ def main(argv=None) -> int:
                     help="live check: the static step's attention (auto, sdpa, matmul, matmul_t)")
     ap.add_argument("--draft-linear", default="torch",
                     help="live check: the block drafter's static forward (torch, bmv; engine/drafters/block_static.py)")
+    ap.add_argument("--no-sit-out", action="store_true",
+                    help="live check: the block drafter drafts every round, even after a wholly rejected draft")
     ap.add_argument("--json", help="also write the record here")
     args = ap.parse_args(argv)
     if not args.model and not args.tiny:
@@ -363,7 +365,8 @@ def main(argv=None) -> int:
         record = {"model": str(args.model), "drafter": str(folder),
                   "eval": evaluate(loaded, net, chunked(held, args.eval_chunk_pages), args.max_new_tokens,
                                    k_max=args.eval_k_max or net.config.block, moe=args.moe, linear=args.linear,
-                                   attn=args.attn, draft_linear=args.draft_linear)}
+                                   attn=args.attn, draft_linear=args.draft_linear,
+                                   block_sits_out=not args.no_sit_out)}
         ev = record["eval"]
         print(f"{'pages':>6} {'identical':>9} {'tau':>6} {'speedup':>8} {'ms plain':>9} {'ms draft':>9} {'ms verify':>10}")
         print(f"{ev['pages']:>6} {ev['identical']:>9} {ev['tau_mean']:>6.2f} {ev['speedup_vs_plain']:>8.2f} "
@@ -427,7 +430,7 @@ def main(argv=None) -> int:
         held, _ = synthetic_pages(args.eval_pages, 850_000, args.workers)  # held-out seeds (< 1,000,000)
         record["eval"] = evaluate(loaded, net, chunked(held, args.eval_chunk_pages), args.max_new_tokens,
                                   k_max=args.eval_k_max or c.block, moe=args.moe, linear=args.linear, attn=args.attn,
-                                  draft_linear=args.draft_linear)
+                                  draft_linear=args.draft_linear, block_sits_out=not args.no_sit_out)
     print(f"{'pages':>6} {'tokens':>7} {'steps':>6} {'loss first':>10} {'loss last':>9} {'tf tau':>7} {'tau':>6} "
           f"{'speedup':>8}")
     ev = record.get("eval", {})

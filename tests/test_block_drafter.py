@@ -85,6 +85,11 @@ def test_lossless_with_the_block_drafter_is_token_identical_and_fed_the_rswa_fea
 
     alone = SpeculativeDecoder(tiny, mode="lossless", k_max=6, drafters=("block",), block_net=net)
     assert alone.generate(pages, LENGTH).output_ids == official
+    eager = Recording(tiny, mode="lossless", k_max=6, drafters=("block",), block_net=net, block_sits_out=False)
+    res = eager.generate(pages, LENGTH)  # the block drafter drafts every round, even after a miss
+    benched = alone.generate(pages, LENGTH).extra["speculative"]["single_steps"]  # a random net misses: benched
+    assert res.output_ids == official and res.extra["speculative"]["single_steps"] <= 1 < benched  # 1: no room left
+    assert eager.last_drafters[0].sits_out is False and alone._drafters(kind, None, None)[0].sits_out is True
 
 
 @pytest.mark.parametrize("memory", [False, True])
