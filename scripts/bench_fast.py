@@ -185,17 +185,17 @@ def rerun_pass(first: dict, make_decoder) -> dict:
     return {"run_id": res.run_id, "texts": texts, "wall_s": wall, **sums}
 
 
+def figures(r: dict, keys=("wall_s", "decode_s", "tokens", "forwards", "relaxed_tokens")) -> dict:
+    """A pass's figures for the record (floats rounded)."""
+    return {k: round(r[k], 3) if isinstance(r[k], float) else r[k] for k in keys if k in r}
+
+
 def compare(threshold: float, lossless: dict, fast: dict, again: dict, keys: list, labels: dict) -> dict:
     """One fast pass and its lossless re-run against the first lossless pass."""
     from engine.quality import normalized_edit_distance
 
     neds = [normalized_edit_distance(fast["texts"][k], lossless["texts"][k]) for k in keys]
     same = [again["texts"].get(k) == lossless["texts"][k] for k in keys]
-
-    def figures(r: dict) -> dict:
-        return {k: round(r[k], 3) if isinstance(r[k], float) else r[k]
-                for k in ("wall_s", "decode_s", "tokens", "forwards", "relaxed_tokens") if k in r}
-
     return {
         "fast_threshold": threshold, "fast": figures(fast), "rerun": figures(again),
         "speedup_fast_vs_lossless": round(lossless["wall_s"] / fast["wall_s"], 3) if fast["wall_s"] else None,
@@ -261,17 +261,15 @@ def main(argv: list[str] | None = None) -> dict:
         dbs.append(fast["db"])
         passes.append(compare(threshold, lossless, fast, again, keys, labels))
 
-    def figures(r: dict) -> dict:
-        return {k: round(r[k], 3) if isinstance(r[k], float) else r[k] for k in ("wall_s", "decode_s", "tokens", "forwards")}
-
     record = {
         "bench": "fast", "model": args.model, "mode_settings": {"fast_threshold": thresholds[0],
                                                                  "max_pages_per_chunk": args.max_pages_per_chunk,
                                                                  "max_tokens_per_page": args.max_tokens_per_page},
         "env": environment(), "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
         "block_drafter": make_decoder.block_drafter, "pages": len(keys), "scan": args.scan, "seeds": [args.seed, args.seed + len(pdfs) - 1],
-        "lossless": figures(lossless), **passes[0], "cer_to_labels": {"lossless": round(cer_to_labels(lossless["texts"], labels), 5),
-                                                                      "fast": passes[0]["fast_cer_to_labels"]},
+        "lossless": figures(lossless, ("wall_s", "decode_s", "tokens", "forwards")), **passes[0],
+        "cer_to_labels": {"lossless": round(cer_to_labels(lossless["texts"], labels), 5),
+                          "fast": passes[0]["fast_cer_to_labels"]},
         "sweep": passes,
     }
     print(f"lossless (first run): {lossless['wall_s']:.2f} s wall, {lossless['decode_s']:.2f} s decoding, "
