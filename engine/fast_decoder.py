@@ -45,7 +45,8 @@ class FastDecoder(SpeculativeDecoder):
     (``auto``, ``sdpa``, ``matmul`` or ``matmul_t``, see `engine.static_runner`); compile_step: ``torch.compile``
     the step before the graphs capture it (fewer, fused kernels; `engine.static_runner`); linear: how the step
     writes its projections (``auto``, ``torch`` or ``bmv``, `engine.static_runner`); draft_linear: the same for the
-    block drafter's static forward (``torch`` or ``bmv``, `engine.drafters.block_static`).
+    block drafter's static forward (``torch`` or ``bmv``, `engine.drafters.block_static`); compile_draft:
+    ``torch.compile`` that forward before its graph captures it (`engine.drafters.block_static`).
     drafter_factory: (prompt kind, reference_texts, replay_ids) -> drafters, replacing the named ones
     (benchmarks use it to feed drafts of a controlled quality). prefix_capacity: see StaticRswaRunner.
     engine_options: passed on to SpeculativeDecoder (e.g. fast_threshold for mode ``fast``)."""
@@ -53,7 +54,8 @@ class FastDecoder(SpeculativeDecoder):
     def __init__(self, loaded: LoadedModel, mode: str = "lossless", k_max: int = 16,
                  drafters: tuple[str, ...] = DRAFTERS, backend: str = "auto", moe: str = "auto",
                  drafter_factory: DrafterFactory | None = None, prefix_capacity: int = 0, attn: str = "auto",
-                 compile_step: bool = False, linear: str = "auto", draft_linear: str = "torch", **engine_options):
+                 compile_step: bool = False, linear: str = "auto", draft_linear: str = "torch", compile_draft: bool = False,
+                 **engine_options):
         super().__init__(loaded, mode=mode, k_max=k_max, drafters=drafters, **engine_options)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
@@ -82,7 +84,8 @@ class FastDecoder(SpeculativeDecoder):
             if block:
                 model = loaded.model
                 self.static_block = StaticBlockDrafter(self.block_net, model.get_input_embeddings(), model.lm_head,
-                                                       graphs=backend == "graphs", linear=draft_linear)
+                                                       graphs=backend == "graphs", linear=draft_linear,
+                                                       compile=compile_draft)
         if backend == "graphs":
             try:
                 self.static.graphs = StepGraphs(self.static.body, loaded.device)
@@ -162,6 +165,7 @@ class FastDecoder(SpeculativeDecoder):
                  "backend": self.backend, "moe": self.moe, "attn": runner.attn,
                  "linear": runner.linear, "graphs": len(runner.graphs or ()),
                  "draft_linear": self.static_block.linear if self.static_block else None,
+                 "draft_compiled": self.static_block.compiled if self.static_block else None,
                  "graphs_captured_now": captured, "capture_s": round(capture_s, 4), "compiled": runner.compiled,
                  **({"compile_error": runner.compile_error} if runner.compile_error else {})}
         text = decode_text(loaded, output) if loaded.tokenizer is not None else ""

@@ -330,3 +330,58 @@ def test_chunks_with_a_full_copy_source_decode_without_the_block_drafter(tiny):
     assert "block" in names(["page one text", "  "]) and "block" in names(None)
     both = SpeculativeDecoder(tiny, mode="lossless", block_net=net, block_beside_copies=True)
     assert "block" in [d.name for d in both._drafters("multi", ["page one text"], None)]
+
+
+def test_the_compiled_static_block_drafter_drafts_what_the_eager_one_drafts(tiny):
+    """``compile=True``: the draft body through torch.compile (inductor's CPU backend here) proposes the eager
+    drafter's tokens; a decode with it stays token-identical to official."""
+    from engine.fast_decoder import FastDecoder
+
+    net = _net(tiny, context=16, block=6, memory=True)
+    model = tiny.model
+    embed, head = model.get_input_embeddings(), model.lm_head
+    static = StaticBlockDrafter(net, embed, head, graphs=False, memory_bucket=64, compile=True)
+    eager = BlockDrafter(net, embed, head)
+    width = len(net.config.layers) * model.config.text_config.hidden_size
+    gen = torch.Generator().manual_seed(5)
+    ids = [5]
+    for n in (70, 1, 3):
+        features = torch.randn(n, width, generator=gen)
+        eager.feed(features)
+        static.feed(features)
+        if n != 70:
+            ids += [(11 * len(ids)) % 50 + 1 for _ in range(n)]
+        try:
+            got = static.propose(ids, 6)
+        except Exception as exc:  # noqa: BLE001
+            pytest.skip(f"torch.compile unavailable: {exc}")
+        if static.compile_error:
+            pytest.skip(f"torch.compile unavailable: {static.compile_error}")
+        assert static.compiled and got == eager.propose(ids, 6)
+
+    pages = [text_page(i) for i in range(2)]
+    official = official_generate(tiny, pages, "multi", LENGTH).output_ids
+    dec = FastDecoder(tiny, mode="lossless", k_max=6, drafters=("block",), block_net=net, backend="static",
+                      compile_draft=True)
+    res = dec.generate(pages, LENGTH)
+    assert res.output_ids == official and res.extra["speculative"]["draft_compiled"]
+
+
+def test_train_drafter_decodes_with_the_init_drafter_and_live_checks_after_a_warmup(tmp_path):
+    """`--data decode --init D` decodes the teacher pages with `lossless` + D (same tokens, or the teacher forward
+    would refuse them); `--eval-only` live-checks a drafter after one untimed warm-up chunk on both sides."""
+    from scripts.train_drafter import main
+
+    model = build_tiny_model(tmp_path / "target", sliding_window=8, seed=3, text_init=0.02)
+    common = ["--model", str(model), "--device", "cpu", "--dtype", "float32", "--max-new-tokens", "50"]
+    first, second = tmp_path / "d1", tmp_path / "d2"
+    assert main([*common, "--pages", "2", "--steps", "20", "--batch", "16", "--block", "4", "--dim", "64",
+                 "--data", "labels", "--out", str(first)]) == 0
+    record_path = tmp_path / "record.json"
+    assert main([*common, "--pages", "2", "--steps", "5", "--batch", "16", "--data", "decode", "--init", str(first),
+                 "--out", str(second), "--json", str(record_path)]) == 0
+    assert json.loads(record_path.read_text())["decode_s"] > 0
+    assert main([*common, "--eval-only", "--init", str(second), "--eval-pages", "2", "--json", str(record_path)]) == 0
+    ev = json.loads(record_path.read_text())["eval"]
+    assert ev["identical"] == ev["chunks"] == 2 and ev["warmup_chunks"] == 1 and ev["warmup_s"]["block"] > 0
+    assert ev["draft_compiled"] is None  # the eager engine on the CPU: no static drafter

@@ -21,6 +21,12 @@ attention; exactness never depends on them (every draft is verified).
 F.linear measured faster at width 9: 4.6 against 6.7 us): the draft is a 40-row forward (32 context + 8 block rows)
 whose fp32 projections may meet the slow cuBLAS GEMM kernel that ``bmv`` avoids in the target's step. Opt-in
 until measured on a GPU (``torch`` is the default).
+
+``compile=True`` runs the draft body through ``torch.compile`` (`engine.static_runner.compile_body`) before the
+graph captures it: a draft is ~60 small kernels (layer norms, GELU, masks, residual adds between the GEMMs), and
+inductor fuses the elementwise chains. If compiling fails the drafter logs why (``compile_error``) and drafts with
+the plain body. The drafts may differ from the eager drafter's by float rounding; exactness never depends on them.
+Opt-in until measured on a GPU.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import math
 
 import torch
+from loguru import logger
 
 from engine.cuda_graphs import StepGraphs
 from engine.drafters.block import BlockDrafterNet, PageMemory, check_fed
@@ -41,7 +48,7 @@ class StaticBlockDrafter:
     name = "block"
 
     def __init__(self, net: BlockDrafterNet, embed_tokens, lm_head, graphs: bool = False,
-                 memory_bucket: int = MEMORY_BUCKET, linear: str = "torch"):
+                 memory_bucket: int = MEMORY_BUCKET, linear: str = "torch", compile: bool = False):
         if linear not in DRAFT_LINEARS:
             raise ValueError(f"linear must be one of {DRAFT_LINEARS}, not {linear!r}")
         c = net.config
@@ -51,10 +58,16 @@ class StaticBlockDrafter:
         # what a draft runs: the same parameters, the linears written as ``linear`` says
         self._step_net = with_gemv_linears(net) if linear == "bmv" else net
         self.memory_bucket = memory_bucket
+        self._compiled = None
+        self.compile_error: str | None = None
+        if compile:
+            from engine.static_runner import compile_body
+
+            self._compiled = compile_body(self._body)
         self.ctx = torch.zeros(1, c.context, len(c.layers) * c.target_hidden, device=p.device, dtype=p.dtype)
         self.last = torch.zeros(1, dtype=torch.long, device=p.device)
         self._memory: dict[int, PageMemory] = {}  # bucket -> static keys/values and mask
-        self.graphs = StepGraphs(lambda _width, bucket: self._body(bucket), p.device) if graphs else None
+        self.graphs = StepGraphs(lambda _width, bucket: self._run(bucket), p.device) if graphs else None
         self.start()
 
     def start(self) -> None:
@@ -104,6 +117,21 @@ class StaticBlockDrafter:
         last = self.embed_tokens(self.last).to(self.ctx.dtype)
         return self._step_net(self.ctx, last, self.lm_head, memory)[0].argmax(-1)
 
+    def _run(self, bucket: int) -> torch.Tensor:
+        """`_body`, compiled when asked for and compiling works: what drafts run and the graph captures."""
+        if self._compiled is not None:
+            try:
+                return self._compiled(bucket)
+            except Exception as exc:  # noqa: BLE001 - an inductor/dynamo failure: the plain body drafts the same
+                self.compile_error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+                logger.warning("compiled block drafter unavailable ({}); drafting uncompiled", self.compile_error)
+                self._compiled = None
+        return self._body(bucket)
+
+    @property
+    def compiled(self) -> bool:
+        return self._compiled is not None
+
     @property
     def max_draft(self) -> int:
         return self.net.config.block
@@ -115,5 +143,5 @@ class StaticBlockDrafter:
             return []
         check_fed(self.fed, self.prompt_len, committed_ids)
         self.last.fill_(committed_ids[-1])
-        out = self.graphs.replay(0, self.bucket) if self.graphs is not None else self._body(self.bucket)
+        out = self.graphs.replay(0, self.bucket) if self.graphs is not None else self._run(self.bucket)
         return out[: min(k, c.block)].tolist()
