@@ -3,7 +3,8 @@
 Pages are rendered so that the longer side is ``target_px`` (the processor then resizes/pads to the
 model's base size, 1024 px: 273 vision tokens a page). Memory stays bounded whatever the page size: a PDF
 page is rasterised at a scale computed from its size, an image is decoded with ``draft`` (JPEG) and
-reduced frame by frame. PDF /Rotate is honoured (pymupdf renders the page as displayed).
+reduced frame by frame. PDF /Rotate is honoured (pymupdf renders the page as displayed), and so is an image's
+EXIF orientation (a camera or phone scan held sideways stores upright pixels only with that tag applied).
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ import pymupdf
 from PIL import Image, ImageSequence
 
 DEFAULT_TARGET_PX = 1024
+EXIF_ORIENTATION = 0x0112
+# EXIF orientation -> the transpose that shows the image as the camera meant it (as PIL.ImageOps.exif_transpose)
+UPRIGHT = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+           5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+           8: Image.Transpose.ROTATE_90}
 
 
 @dataclass
@@ -63,11 +69,13 @@ def _image_pages(path: Path, first: int, last: int, target_px: int, max_page_pix
                 break
             if frame.width * frame.height > max_page_pixels:
                 raise ValueError(f"page {n} is {frame.width}x{frame.height} pixels, over {max_page_pixels}")
+            upright = UPRIGHT.get(frame.getexif().get(EXIF_ORIENTATION, 1))
             if frame.format == "JPEG":
                 frame.draft("RGB", (target_px, target_px))
             if frame.mode in ("1", "L", "P", "LA", "PA", "RGBA", "I;16", "I", "F", "CMYK", "YCbCr"):
                 frame = _flatten(frame)
-            yield RenderedPage(n, _fit(frame, target_px), None)
+            img = _fit(frame, target_px)
+            yield RenderedPage(n, img.transpose(upright) if upright is not None else img, None)
 
 
 def _flatten(frame: Image.Image) -> Image.Image:

@@ -29,6 +29,20 @@ def test_big_and_odd_images_are_reduced_to_rgb(tmp_path):
     assert alpha.image.getpixel((5, 5)) == (255, 255, 255)  # transparency onto white
 
 
+@pytest.mark.parametrize("orientation,size", [(1, (1024, 512)), (3, (1024, 512)), (6, (512, 1024)),
+                                              (8, (512, 1024))])
+def test_exif_orientation_is_honoured(tmp_path, orientation, size):
+    img = Image.new("RGB", (2000, 1000), "white")
+    img.paste((0, 0, 0), (0, 0, 100, 100))  # a black mark in the stored top-left corner
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    img.save(tmp_path / "cam.jpg", exif=exif)
+    (page,) = render_pages(tmp_path / "cam.jpg", "jpeg", 1, 1)
+    assert page.image.size == size
+    corner = {1: (10, 10), 3: (1013, 501), 6: (501, 10), 8: (10, 1013)}[orientation]  # where the mark shows
+    assert page.image.getpixel(corner)[0] < 60
+
+
 def test_page_markdown_strips_grounding():
     t = "<|det|>title [1, 2, 3, 4]<|/det|># Title\n<|det|>text [5, 6, 7, 8]<|/det|>Body <td>a</td><td>b</td>"
     assert page_markdown(t) == "# Title\nBody  | a | b"
