@@ -180,6 +180,20 @@ def refresh_document(conn: Connection, doc_id: int) -> str:
     return "ready"
 
 
+def requeue_failed(conn: Connection, doc_id: int) -> int:
+    """Give a failed document another try, inside the caller's transaction: its failed chunks go back to the
+    queue with their attempts reset, and the document is queued again. Done chunks and their pages stay as
+    they are. A failed chunk that was reserved for a re-run is freed for any worker (that run has ended, and
+    nothing else would ever claim it). Returns how many chunks were re-queued."""
+    res = conn.execute(
+        update(T)
+        .where(T.c.document_id == doc_id, T.c.status == ChunkStatus.FAILED)
+        .values(status=ChunkStatus.QUEUED, attempts=0, next_attempt_at=0.0, last_error=None, run_id=None)
+    )
+    conn.execute(update(D).where(D.c.id == doc_id).values(status=DocStatus.QUEUED, error=None))
+    return res.rowcount
+
+
 class Heartbeat:
     """Renews a lease in a background thread while work runs: ``with Heartbeat(...) as hb: ...``.
     ``hb.lost`` is set when a renewal finds the lease gone."""

@@ -1,6 +1,10 @@
 """Take one complete file into the ledger: a document (with its chunks), a duplicate, or a rejected file put in
 ``failed/`` beside ``<name>.error.txt``. Idempotent by content SHA-256. Files from the inbox are moved; a file
-named from elsewhere (``uflash run PATH``) is copied and stays where it is (`ingest.files.file_away`)."""
+named from elsewhere (``uflash run PATH``) is copied and stays where it is (`ingest.files.file_away`).
+
+Content already in the ledger is not always a duplicate: dropped again after its document failed, it is that
+document's retry; found under a new name while its document waits and the old name is gone, it is the same
+file renamed; and a document's own file is never moved aside as a duplicate of itself."""
 
 from __future__ import annotations
 
@@ -9,10 +13,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from loguru import logger
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 
-from db.models import Chunk, Document, Duplicate, Rejected
+from db.models import Chunk, DocStatus, Document, Duplicate, Rejected
+from db.queue import requeue_failed
 from db.session import Database
 from engine.chunking import ChunkPlan, plan_chunks
 from ingest.config import Settings
@@ -26,7 +31,7 @@ TOKENS_PER_ELEMENT_OVERHEAD = 64
 
 @dataclass(frozen=True)
 class IntakeResult:
-    outcome: str  # document | duplicate | rejected | known
+    outcome: str  # document | duplicate | rejected | known | moved | requeued
     document_id: int | None = None
     reason: str | None = None
     moved_to: Path | None = None
@@ -72,14 +77,67 @@ def reject(db: Database, settings: Settings, path: Path, reason: str, sha: str |
     return IntakeResult("rejected", reason=reason, moved_to=dest)
 
 
-def _duplicate(db: Database, settings: Settings, path: Path, st, doc_id: int) -> IntakeResult:  # noqa: ANN001
+def _by_sha(db: Database, sha: str) -> Document | None:
+    with db.session() as s:
+        return s.scalar(select(Document).where(Document.sha256 == sha))
+
+
+def _original(path: Path, st) -> dict:  # noqa: ANN001
+    return dict(original_path=str(path), original_name=path.name, size_bytes=st.st_size, mtime_ns=st.st_mtime_ns)
+
+
+def _existing(db: Database, settings: Settings, path: Path, st, doc: Document) -> IntakeResult:  # noqa: ANN001
+    """Content that document ``doc`` already has: its retry (it failed), its new name (it waits and its file
+    was renamed), its own file, or a duplicate."""
+    if doc.status == DocStatus.FAILED:
+        return _retry(db, settings, path, st, doc)
+    waiting = doc.status in (DocStatus.QUEUED, DocStatus.RUNNING) and doc.archived_path is None
+    if waiting and doc.original_path != str(path) and not Path(doc.original_path).exists():
+        return _moved(db, settings, path, st, doc)
+    return _duplicate(db, settings, path, st, doc)
+
+
+def _retry(db: Database, settings: Settings, path: Path, st, doc: Document) -> IntakeResult:  # noqa: ANN001
+    """A failed document's content dropped again: this file becomes its original (archived at the end like
+    any other) and its failed chunks go back to the queue; its done pages are kept. The update holds only
+    while the document is still failed, so two intakes of the same drop re-queue it once."""
+    with db.engine.begin() as conn:
+        res = conn.execute(update(Document.__table__)
+                           .where(Document.id == doc.id, Document.status == DocStatus.FAILED)
+                           .values(**_original(path, st), archived_path=None))
+        n = requeue_failed(conn, doc.id) if res.rowcount == 1 else None
+    if n is None:  # another intake re-queued it a moment ago
+        return _duplicate(db, settings, path, st, _by_sha(db, doc.sha256))
+    logger.info("re-queued failed document {} from {} ({} chunks; it had failed with: {})", doc.id, path.name, n,
+                (doc.error or "-")[:300])
+    return IntakeResult("requeued", document_id=doc.id)
+
+
+def _moved(db: Database, settings: Settings, path: Path, st, doc: Document) -> IntakeResult:  # noqa: ANN001
+    """A waiting document's file renamed (or moved) and its old path gone: the file at the new path is that
+    document, left where it is. The update holds only if no other intake adopted another path first."""
+    with db.engine.begin() as conn:
+        res = conn.execute(update(Document.__table__)
+                           .where(Document.id == doc.id, Document.original_path == doc.original_path,
+                                  Document.archived_path.is_(None))
+                           .values(**_original(path, st)))
+    if res.rowcount != 1:
+        return _duplicate(db, settings, path, st, _by_sha(db, doc.sha256))
+    logger.info("document {} moved: {} -> {}", doc.id, doc.original_path, path)
+    return IntakeResult("moved", document_id=doc.id)
+
+
+def _duplicate(db: Database, settings: Settings, path: Path, st, doc: Document) -> IntakeResult:  # noqa: ANN001
+    if doc.original_path == str(path) and doc.archived_path is None:
+        # the document's own file (touched, or taken by two intakes at once): the only copy, never moved aside
+        return IntakeResult("known", document_id=doc.id)
     # a duplicate from the inbox is moved aside; one named elsewhere stays there and is only recorded
     dest = move_file(path, settings.archive / "duplicates") if is_inside(path, settings.inbox) else None
     with db.session() as s, s.begin():
-        s.add(Duplicate(document_id=doc_id, path=str(path), name=path.name, size_bytes=st.st_size,
+        s.add(Duplicate(document_id=doc.id, path=str(path), name=path.name, size_bytes=st.st_size,
                         mtime_ns=st.st_mtime_ns, moved_to=str(dest) if dest else None))
-    logger.info("duplicate {} of document {} -> {}", path.name, doc_id, dest or "left in place")
-    return IntakeResult("duplicate", document_id=doc_id, moved_to=dest)
+    logger.info("duplicate {} of document {} -> {}", path.name, doc.id, dest or "left in place")
+    return IntakeResult("duplicate", document_id=doc.id, moved_to=dest)
 
 
 def intake_file(db: Database, settings: Settings, path: Path) -> IntakeResult:
@@ -89,12 +147,8 @@ def intake_file(db: Database, settings: Settings, path: Path) -> IntakeResult:
     if (doc_id := known_document(db, path, st.st_size, st.st_mtime_ns)) is not None:
         return IntakeResult("known", document_id=doc_id)
     sha = sha256_file(path)
-    with db.session() as s:
-        existing = s.scalar(select(Document).where(Document.sha256 == sha))
-    if existing is not None:
-        if existing.original_path == str(path) and existing.archived_path is None:
-            return IntakeResult("known", document_id=existing.id)  # same file, touched: nothing new
-        return _duplicate(db, settings, path, st, existing.id)
+    if (existing := _by_sha(db, sha)) is not None:
+        return _existing(db, settings, path, st, existing)
     try:
         probed = probe_file(path, settings.watch.max_page_pixels)
     except InputRejected as e:
@@ -108,10 +162,8 @@ def intake_file(db: Database, settings: Settings, path: Path) -> IntakeResult:
             s.flush()
             s.add_all(Chunk(document_id=doc.id, first_page=a, last_page=b) for a, b in ranges)
             doc_id = doc.id
-    except IntegrityError:  # another intake process recorded the same content a moment ago
-        with db.session() as s:
-            doc_id = s.scalar(select(Document.id).where(Document.sha256 == sha))
-        return _duplicate(db, settings, path, st, doc_id)
+    except IntegrityError:  # another intake process recorded the same content a moment ago (often this very file)
+        return _existing(db, settings, path, st, _by_sha(db, sha))
     logger.info("queued {} ({} {}, {} pages, {} chunks) as document {}", path.name, probed.kind,
                 _size(st.st_size), probed.page_count, len(ranges), doc_id)
     return IntakeResult("document", document_id=doc_id)

@@ -1,11 +1,16 @@
 import io
+import os
 import shutil
 
 import pytest
+from loguru import logger
 from PIL import Image
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
-from db.models import Chunk, Document, Duplicate, Rejected
+import ingest.intake
+from db.models import Chunk, ChunkStatus, DocStatus, Document, Duplicate, Page, Rejected, Run
+from db.queue import claim, complete, fail
+from db.session import Database
 from ingest.errors import InputRejected
 from ingest.intake import intake_file
 from ingest.probe import probe_file
@@ -105,3 +110,122 @@ def test_files_named_outside_the_inbox_are_copied_never_moved(settings, db, tmp_
     shutil.copyfile(a, b)
     dup = intake_file(db, settings, b)
     assert dup.outcome == "duplicate" and dup.moved_to is None and b.exists()
+
+
+def _half_done_then_failed(db) -> int:
+    """Chunk 1-2 of the only document done (its pages stored), chunk 3-4 failed for good: a failed document."""
+    with db.session() as s, s.begin():
+        run = Run(mode="plain", model="test", engine_version="test")
+        s.add(run)
+        s.flush()
+        run_id = run.id
+    c = claim(db, "w", lease_seconds=60, max_attempts=3)
+    with db.engine.begin() as conn:
+        assert complete(conn, c, run_id=run_id)
+        conn.execute(Page.__table__.insert(), [dict(document_id=c.document_id, run_id=run_id, chunk_id=c.chunk_id,
+                                                    page_index=i, text=f"page {i}") for i in (1, 2)])
+    c2 = claim(db, "w", lease_seconds=60, max_attempts=3)
+    assert fail(db, c2, "original file is gone", max_attempts=3, backoff_seconds=0, permanent=True) == "failed"
+    return c.document_id
+
+
+def test_failed_document_is_retried_when_its_content_is_dropped_again(settings, db):
+    settings.engine.max_pages_per_chunk = 2
+    a = make_pdf(settings.inbox / "a.pdf", 4)
+    doc_id = intake_file(db, settings, a).document_id
+    _half_done_then_failed(db)
+    with db.session() as s:
+        assert s.get(Document, doc_id).status == DocStatus.FAILED
+    assert intake_file(db, settings, a).outcome == "known", "the failed original seen again by a rescan: no retry"
+    content = a.read_bytes()
+    a.unlink()
+    again = settings.inbox / "a again.pdf"
+    again.write_bytes(content)
+    messages = []
+    sink = logger.add(lambda m: messages.append(m.record["message"]), level="INFO")
+    try:
+        r = intake_file(db, settings, again)
+    finally:
+        logger.remove(sink)
+    assert r.outcome == "requeued" and r.document_id == doc_id and again.exists()
+    assert any(m.startswith(f"re-queued failed document {doc_id} from a again.pdf") for m in messages), messages
+    with db.session() as s:
+        doc = s.get(Document, doc_id)
+        assert (doc.status, doc.error, doc.archived_path) == (DocStatus.QUEUED, None, None)
+        assert (doc.original_path, doc.original_name) == (str(again), "a again.pdf")
+        chunks = s.scalars(select(Chunk).order_by(Chunk.first_page)).all()
+        assert [(c.status, c.attempts, c.last_error) for c in chunks] == [
+            (ChunkStatus.DONE, 1, None), (ChunkStatus.QUEUED, 0, None)], "done pages stay done"
+        assert s.scalar(select(func.count()).select_from(Page)) == 2
+        assert s.scalar(select(func.count()).select_from(Duplicate)) == 0
+    c = claim(db, "w2", lease_seconds=60, max_attempts=3)
+    assert (c.document_id, c.first_page, c.attempts) == (doc_id, 3, 1)
+    assert intake_file(db, settings, again).outcome == "known"
+
+
+def test_failed_document_is_retried_when_its_file_is_touched(settings, db):
+    a = make_pdf(settings.inbox / "a.pdf", 1)
+    doc_id = intake_file(db, settings, a).document_id
+    c = claim(db, "w", lease_seconds=60, max_attempts=3)
+    fail(db, c, "cannot render: boom", max_attempts=3, backoff_seconds=0, permanent=True)
+    st = a.stat()
+    os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+    assert intake_file(db, settings, a).outcome == "requeued" and a.exists()
+    with db.session() as s:
+        assert s.get(Document, doc_id).status == DocStatus.QUEUED
+        assert s.scalar(select(Chunk.status)) == ChunkStatus.QUEUED
+
+
+def test_renamed_waiting_file_stays_its_document(settings, db):
+    a = make_pdf(settings.inbox / "a.pdf", ["renamed while it waits"])
+    doc_id = intake_file(db, settings, a).document_id
+    renamed = a.rename(settings.inbox / "A b.pdf")
+    r = intake_file(db, settings, renamed)
+    assert r.outcome == "moved" and r.document_id == doc_id and renamed.exists()
+    with db.session() as s:
+        doc = s.get(Document, doc_id)
+        assert (doc.original_path, doc.original_name, doc.status) == (str(renamed), "A b.pdf", DocStatus.QUEUED)
+        assert s.scalar(select(func.count()).select_from(Duplicate)) == 0
+    assert intake_file(db, settings, renamed).outcome == "known"
+    copy = settings.inbox / "copy.pdf"
+    shutil.copyfile(renamed, copy)
+    assert intake_file(db, settings, copy).outcome == "duplicate", "a copy beside the original is still a duplicate"
+    assert renamed.exists() and not copy.exists()
+
+
+def test_two_intakes_of_one_file_at_once_leave_it_in_place(settings, db, monkeypatch):
+    """The loser of the race (IntegrityError on the sha) must not move the winner's only copy aside."""
+    a = make_pdf(settings.inbox / "a.pdf", 2)
+    real_probe = ingest.intake.probe_file
+    won = []
+
+    def probe_while_another_intake_wins(path, max_pixels):
+        monkeypatch.setattr(ingest.intake, "probe_file", real_probe)
+        other = Database(settings.database_url)  # the other process, with its own connection
+        try:
+            won.append(intake_file(other, settings, path))
+        finally:
+            other.dispose()
+        return real_probe(path, max_pixels)
+
+    monkeypatch.setattr(ingest.intake, "probe_file", probe_while_another_intake_wins)
+    r = intake_file(db, settings, a)
+    assert won[0].outcome == "document"
+    assert r.outcome == "known" and r.document_id == won[0].document_id
+    assert a.exists() and not (settings.archive / "duplicates").exists()
+    with db.session() as s:
+        assert s.scalar(select(func.count()).select_from(Document)) == 1
+        assert s.scalar(select(func.count()).select_from(Duplicate)) == 0
+
+
+def test_finished_document_dropped_again_under_its_name_is_a_duplicate(settings, db):
+    a = make_pdf(settings.inbox / "a.pdf", ["done already"])
+    doc_id = intake_file(db, settings, a).document_id
+    content = a.read_bytes()
+    archived = shutil.move(a, settings.archive / "a.pdf")
+    with db.engine.begin() as conn:
+        conn.execute(update(Document.__table__).where(Document.id == doc_id)
+                     .values(status=DocStatus.DONE, archived_path=str(archived)))
+    a.write_bytes(content)
+    r = intake_file(db, settings, a)
+    assert r.outcome == "duplicate" and r.moved_to.parent == settings.archive / "duplicates" and not a.exists()
