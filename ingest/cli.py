@@ -1,13 +1,15 @@
 """The ``uflash`` command. Typed errors become exit codes here, and only here.
 
 Exit codes: 0 ok, 1 unexpected error, 2 bad configuration or usage, 3 model not available,
-4 input rejected (``uflash run`` on a file that cannot be processed), 130 interrupted.
+4 input rejected (``uflash run`` on a file that cannot be processed), 130 interrupted, 141 output pipe closed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import signal
 import sys
 import threading
@@ -215,8 +217,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = load_settings(args.config)
         if args.command not in ("status", "report", "diff"):
+            settings.ensure_folders("logs")
             setup_logging(settings.logs, args.verbose, args.quiet)
-        return COMMANDS[args.command](settings, args)
+        code = COMMANDS[args.command](settings, args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handlers, not at interpreter exit
+        return code
+    except BrokenPipeError:  # the reader went away (`uflash report | head -1`): stop quietly, as CLI tools do
+        with contextlib.suppress(OSError, ValueError):  # so the flush at exit cannot fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13  # killed by SIGPIPE, as a shell reports it
     except UflashError as e:
         kind = "config error" if isinstance(e, ConfigError) else "error"
         print(f"uflash: {kind}: {e}", file=sys.stderr)

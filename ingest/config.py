@@ -8,6 +8,7 @@ so a scheduled task that starts in another working directory finds the same file
 from __future__ import annotations
 
 import os
+import tempfile
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -164,9 +165,21 @@ class Settings(BaseSettings):
             if name != "outbox" and (inbox in other.parents or other in inbox.parents):
                 raise ConfigError(f"folders.{name} ({other}) and folders.inbox ({inbox}) overlap")
 
-    def ensure_folders(self) -> None:
-        for p in (self.inbox, self.outbox, self.archive, self.failed, self.logs):
-            p.mkdir(parents=True, exist_ok=True)
+    def ensure_folders(self, *names: str) -> None:
+        """Create the folders (default: all five) and check that a file can be created in each. A folder that
+        cannot be used (a file of that name, a read-only or virtual file system) is a ConfigError naming it,
+        found at start rather than as a crash in the middle of a document."""
+        for name in names or ("inbox", "outbox", "archive", "failed", "logs"):
+            p = getattr(self, name)
+            try:
+                if p.exists() and not p.is_dir():
+                    raise NotADirectoryError("it is a file, not a folder")
+                p.mkdir(parents=True, exist_ok=True)
+                with tempfile.TemporaryFile(dir=p, prefix=".uflash-check-"):
+                    pass
+            except OSError as e:
+                raise ConfigError(f"the {name} folder {p} (folders.{name}) cannot be used: "
+                                  f"{e.strerror or e}") from None
 
 
 def _find_config(path: Path | str | None) -> Path | None:

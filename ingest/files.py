@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 # Names that copy tools and browsers use while a file is still arriving, and our own side files.
@@ -83,10 +83,20 @@ def file_away(src: Path, folder: Path, inbox: Path) -> Path:
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
-    """Write to a temp file in the same folder, fsync, then rename over the target."""
+    """Write to a temp file in the same folder, fsync, then rename over the target.
+
+    The temp file is created with mode 0666 less the umask, as a plain ``open()`` would (``mkstemp`` gives 0600,
+    which locks out the archivist when a service account writes the outputs)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    while True:
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+        try:
+            fd = os.open(tmp, flags, 0o666)
+            break
+        except FileExistsError:
+            continue
     mode = "wb" if isinstance(data, bytes) else "w"
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, mode, **({} if isinstance(data, bytes) else {"encoding": "utf-8", "newline": "\n"})) as f:
             f.write(data)
@@ -94,5 +104,5 @@ def write_atomic(path: Path, data: str | bytes) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise

@@ -66,6 +66,7 @@ class Worker:
     fresh_run: dict[str, Any] | None = None  # a re-run: a new run recording these settings, its own chunks only
     _decoder: ChunkDecoder | None = None
     _run_id: int | None = None
+    _waiting_on: frozenset[str] = frozenset()  # owners of the leases the last idle poll found (logged once)
 
     # -- model and run ---------------------------------------------------------------------------
     def decoder(self) -> ChunkDecoder:
@@ -110,10 +111,30 @@ class Worker:
             c = claim(self.db, self.owner, w.lease_seconds, w.max_attempts,
                       run_id=self.run_id() if self.fresh_run is not None else None)
             if c is None:
+                self._log_leased()
                 self.finalize_ready()
                 stop.wait(w.poll_seconds)
                 continue
+            self._waiting_on = frozenset()
             self.process(c)
+
+    def _log_leased(self) -> None:
+        """Say once per wait which other leases hold chunks this worker could take. A worker that crashed keeps
+        its lease until it expires (up to ``lease_seconds``): without this line a restarted ``uflash run`` sits
+        silent that long, and ``status`` only shows ``running``."""
+        now = time.time()
+        with self.db.session() as s:
+            rows = s.execute(select(Chunk.lease_owner, func.count(), func.max(Chunk.lease_expires_at)).where(
+                Chunk.status == ChunkStatus.RUNNING, Chunk.lease_expires_at >= now, Chunk.lease_owner != self.owner,
+                Chunk.run_id.is_(None) if self.fresh_run is None else Chunk.run_id == self._run_id,
+            ).group_by(Chunk.lease_owner)).all()
+        owners = frozenset(owner for owner, _, _ in rows)
+        for owner, n, until in rows:
+            if owner not in self._waiting_on:
+                logger.info("waiting for {} chunk(s) leased by {} until {} (in {:.0f} s; a worker that died loses "
+                            "its lease then)", n, owner, datetime.fromtimestamp(until).strftime("%H:%M:%S"),
+                            until - now)
+        self._waiting_on = owners
 
     def process(self, c: Claim) -> None:
         w = self.settings.worker
@@ -268,7 +289,8 @@ class Worker:
                 self.finalize(doc_id)
 
     def finalize(self, doc_id: int) -> Path | None:
-        """Write document.md/json (latest page of each index), archive the original, mark it done."""
+        """Write document.md/json (latest page of each index), archive the original, mark it done. Returns the
+        output folder, or None when the document could not be finished: then it is failed with the reason."""
         with self.db.session() as s:
             doc = s.get(Document, doc_id)
             latest = select(func.max(Page.id)).where(Page.document_id == doc_id).group_by(Page.page_index)
@@ -279,12 +301,7 @@ class Worker:
         self._grade(pages)
         if indexes != list(range(1, doc.page_count + 1)):
             missing = sorted(set(range(1, doc.page_count + 1)) - set(indexes))
-            with self.db.engine.begin() as conn:
-                conn.execute(update(Document.__table__).where(Document.id == doc_id).values(
-                    status=DocStatus.FAILED, error=f"pages missing after all chunks finished: {missing}"))
-            logger.error("{}: pages missing after all chunks finished: {}", doc.original_name, missing)
-            return None
-        folder = output_folder(self.settings.outbox, doc.original_name, doc.sha256)
+            return self._not_finished(doc, f"pages missing after all chunks finished: {missing}")
         document = {"id": doc.id, "name": doc.original_name, "sha256": doc.sha256, "kind": doc.kind,
                     "page_count": doc.page_count, "original_path": doc.original_path}
         run = _run_dict(runs[-1]) if runs else {}
@@ -292,14 +309,22 @@ class Worker:
             run["earlier_runs"] = [_run_dict(r) for r in runs[:-1]]
         page_dicts = [{"index": p.page_index, "text": p.text, "boxes": p.boxes, "stats": p.stats, "run_id": p.run_id,
                        **({"note": p.stats["note"]} if p.stats.get("note") else {})} for p in pages]
-        md, _ = write_document_outputs(folder, document, run, page_dicts)
+        try:
+            folder = output_folder(self.settings.outbox, doc.original_name, doc.sha256)
+            md, _ = write_document_outputs(folder, document, run, page_dicts)
+        except OSError as e:  # a file in the way, disk full, access denied, a name or path the OS refuses
+            return self._not_finished(doc, f"outputs could not be written: {e}")
         archived = None
         src = Path(doc.original_path)
         error = None
         if doc.archived_path and Path(doc.archived_path).exists():
             archived = Path(doc.archived_path)  # archived by an earlier pass (this is a re-run)
         elif src.exists():
-            archived = file_away(src, self.settings.archive, self.settings.inbox)
+            try:
+                archived = file_away(src, self.settings.archive, self.settings.inbox)
+            except OSError as e:
+                return self._not_finished(doc, f"outputs written to {folder}, but the original could not be "
+                                               f"archived: {e}", folder)
         else:
             error = f"original was no longer at {src} when archiving"
         with self.db.engine.begin() as conn:
@@ -309,6 +334,17 @@ class Worker:
                 completed_at=datetime.now(timezone.utc)))
         logger.success("{} done: {}", doc.original_name, md)
         return folder
+
+    def _not_finished(self, doc: Document, reason: str, output_dir: Path | None = None) -> None:
+        """Mark a document whose chunks are all done failed with ``reason``, and let the worker go on with the
+        others. Nothing is lost: its pages stay in the ledger and its original stays where it is; being failed,
+        it is not finalized again (and failing again) at every start."""
+        values: dict[str, Any] = dict(status=DocStatus.FAILED, error=reason[:4000])
+        if output_dir is not None:
+            values["output_dir"] = str(output_dir)
+        with self.db.engine.begin() as conn:
+            conn.execute(update(Document.__table__).where(Document.id == doc.id).values(**values))
+        logger.error("{}: {}", doc.original_name, reason)
 
     def _grade(self, pages: list[Page]) -> None:
         """Grade the document's latest pages against each other; store grade and reasons in their stats."""

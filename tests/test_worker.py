@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ from ingest.config import load_settings
 from ingest.intake import intake_file
 from ingest.render import render_pages
 from ingest.worker import Worker
-from tests.conftest import ROOT, make_pdf, uflash, worker_config
+from tests.conftest import ROOT, make_pdf, uflash, worker_config, write_config
 
 
 def make_tiff(path: Path, n: int, shade: int = 0) -> Path:
@@ -322,3 +323,94 @@ def test_all_modes_give_the_same_pages(tmp_path, tiny_model_dir):
         texts[mode] = ([p["text"] for p in doc["pages"]], ids)
     assert texts["plain"] == texts["official"]
     assert texts["lossless"] == texts["official"]
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_outputs_that_cannot_be_written_fail_that_document_only(tmp_path, tiny_model_dir):
+    """A file in the way of one document's output folder fails that document with the reason; the other is done,
+    and a restart finds it failed instead of crashing on it again. Nothing is lost: its pages stay in the ledger and
+    its original stays in the inbox. The outputs written get the mode a plain open() gives (not mkstemp's 0600)."""
+    cfg = worker_config(tmp_path, tiny_model_dir)
+    s = load_settings(cfg)
+    s.ensure_folders()
+    Image.new("RGB", (500, 300), "white").save(s.inbox / "typewriter.png")
+    make_pdf(s.inbox / "letter.pdf", 2)
+    (s.outbox / "typewriter").write_text("x\n", encoding="utf-8")  # a plain file where the folder would go
+    for attempt in (1, 2):  # the second run is the restart: the document is failed, not finalized again
+        r = uflash("--config", str(cfg), "run", timeout=600)
+        assert r.returncode == 4, r.stdout + r.stderr
+        assert "Traceback" not in r.stderr and "unexpected error" not in r.stderr, r.stderr
+        assert "failed  typewriter.png: outputs could not be written: [Errno 17] File exists" in r.stdout, attempt
+        assert ("typewriter.png: outputs could not be written" in r.stderr) == (attempt == 1), r.stderr
+    assert (s.inbox / "typewriter.png").exists(), "the original stays where it is"
+    assert (s.outbox / "typewriter").read_text(encoding="utf-8") == "x\n"
+    db = Database(s.database_url)
+    with db.session() as ss:
+        tw = ss.scalar(select(Document).where(Document.original_name == "typewriter.png"))
+        letter = ss.scalar(select(Document).where(Document.original_name == "letter.pdf"))
+    assert tw.status == "failed" and tw.archived_path is None and tw.output_dir is None
+    assert [n for _, n in pages_in_db(db, tw.id)] == [1], "its pages stay in the ledger"
+    assert letter.status == "done" and (s.archive / "letter.pdf").exists()
+    st = uflash("--config", str(cfg), "status").stdout
+    assert f"#{tw.id} typewriter.png: outputs could not be written" in st
+    for name in ("document.md", "document.json"):
+        assert (s.outbox / "letter" / name).stat().st_mode & 0o777 == 0o666 & ~_umask()
+
+
+def test_original_that_cannot_be_archived_fails_that_document(tmp_path, tiny_model_dir):
+    """Archiving is guarded the same way: the outputs are written, the document is failed with the reason, the
+    original stays in the inbox, and the worker goes on."""
+    cfg = worker_config(tmp_path, tiny_model_dir)
+    s = load_settings(cfg)
+    s.ensure_folders()
+    db = Database(s.database_url)
+    doc = intake_file(db, s, make_pdf(s.inbox / "memo.pdf", 1)).document_id
+    s.archive.rmdir()
+    s.archive.write_text("not a folder\n", encoding="utf-8")
+    worker = Worker(s, db, lambda: OfficialDecoder(load_model(str(tiny_model_dir), "cpu", "float32")))
+    serve_until_done(worker, db)
+    with db.session() as ss:
+        d = ss.get(Document, doc)
+    assert d.status == "failed" and "but the original could not be archived: [Errno 17] File exists" in d.error
+    assert d.output_dir == str(s.outbox / "memo") and (s.outbox / "memo" / "document.md").exists()
+    assert (s.inbox / "memo.pdf").exists()
+    serve_until_done(Worker(s, db, lambda: None), db)  # a restart leaves it failed, without touching the model
+
+
+def test_worker_says_once_whose_lease_it_waits_for(tmp_path):
+    """A chunk held by another (e.g. a crashed) worker's lease: the idle worker logs the owner and the expiry once
+    per wait, not at every poll, and again when a new wait begins."""
+    from loguru import logger
+
+    s = load_settings(write_config(tmp_path, worker={"poll_seconds": 0.05}))
+    s.ensure_folders()
+    db = Database(s.database_url)
+    intake_file(db, s, make_pdf(s.inbox / "held.pdf", 1))
+    expires = time.time() + 300
+
+    def lease(until: float) -> None:
+        with db.engine.begin() as conn:
+            conn.execute(Chunk.__table__.update().values(status=ChunkStatus.RUNNING, lease_owner="deadhost:4242",
+                                                         lease_expires_at=until, attempts=1))
+
+    lines: list[str] = []
+    sink = logger.add(lambda m: lines.append(str(m)), level="INFO", format="{message}")
+    worker = Worker(s, db, lambda: None)  # never decodes: nothing is claimable
+    try:
+        for _ in range(2):
+            lease(expires)
+            polls = iter(range(4))
+            worker.serve(threading.Event(), until=lambda: next(polls, None) is None)  # 4 idle polls
+            lease(time.time() - 1)  # the lease ends: the next wait is a new one
+            worker._log_leased()
+    finally:
+        logger.remove(sink)
+    waits = [ln for ln in lines if ln.startswith("waiting for")]
+    assert len(waits) == 2, lines
+    until = datetime.fromtimestamp(expires).strftime("%H:%M:%S")
+    assert all(w.startswith(f"waiting for 1 chunk(s) leased by deadhost:4242 until {until} (in ") for w in waits)
