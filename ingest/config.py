@@ -69,6 +69,7 @@ class Quality(_Section):
 
 class Watch(_Section):
     settle_seconds: float = Field(default=5.0, ge=0.0)
+    incomplete_grace_seconds: float = Field(default=600.0, ge=0.0)
     rescan_seconds: float = Field(default=60.0, gt=0.0)
     polling: bool = False
     patterns: list[str] = ["*.pdf", "*.tif", "*.tiff", "*.png", "*.jpg", "*.jpeg"]

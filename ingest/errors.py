@@ -29,3 +29,9 @@ class InputRejected(UflashError):
     def __init__(self, reason: str):
         super().__init__(reason)
         self.reason = reason
+
+
+class InputIncomplete(InputRejected):
+    """The file looks cut short (a PDF without its end marker, a truncated image): a slow copy may still be
+    writing it. The watcher leaves it in the inbox and looks again until ``watch.incomplete_grace_seconds`` after
+    its last change; only then is it rejected."""

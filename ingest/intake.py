@@ -8,6 +8,7 @@ file renamed; and a document's own file is never moved aside as a duplicate of i
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -21,7 +22,7 @@ from db.queue import requeue_failed
 from db.session import Database
 from engine.chunking import ChunkPlan, plan_chunks
 from ingest.config import Settings
-from ingest.errors import InputRejected
+from ingest.errors import InputIncomplete, InputRejected
 from ingest.files import file_away, is_inside, move_file, sha256_file, write_atomic
 from ingest.probe import Probed, probe_file
 
@@ -31,7 +32,7 @@ TOKENS_PER_ELEMENT_OVERHEAD = 64
 
 @dataclass(frozen=True)
 class IntakeResult:
-    outcome: str  # document | duplicate | rejected | known | moved | requeued
+    outcome: str  # document | duplicate | rejected | known | moved | requeued | incomplete
     document_id: int | None = None
     reason: str | None = None
     moved_to: Path | None = None
@@ -140,8 +141,10 @@ def _duplicate(db: Database, settings: Settings, path: Path, st, doc: Document) 
     return IntakeResult("duplicate", document_id=doc.id, moved_to=dest)
 
 
-def intake_file(db: Database, settings: Settings, path: Path) -> IntakeResult:
-    """Record a complete file. Bad input is rejected with its reason; the caller never sees InputRejected."""
+def intake_file(db: Database, settings: Settings, path: Path, incomplete_grace_s: float = 0.0) -> IntakeResult:
+    """Record a complete file. Bad input is rejected with its reason; the caller never sees InputRejected.
+    A file that looks cut short (`InputIncomplete`) and changed less than ``incomplete_grace_s`` ago is left where
+    it is (outcome ``incomplete``): the watcher looks again later, since a stalled copy may still finish it."""
     path = Path(path).absolute()
     st = path.stat()
     if (doc_id := known_document(db, path, st.st_size, st.st_mtime_ns)) is not None:
@@ -151,6 +154,11 @@ def intake_file(db: Database, settings: Settings, path: Path) -> IntakeResult:
         return _existing(db, settings, path, st, existing)
     try:
         probed = probe_file(path, settings.watch.max_page_pixels)
+    except InputIncomplete as e:
+        if time.time() - st.st_mtime < incomplete_grace_s:
+            return IntakeResult("incomplete", reason=e.reason)
+        grace = f" (unchanged for {incomplete_grace_s:.0f} s)" if incomplete_grace_s else ""
+        return reject(db, settings, path, e.reason + grace, sha)
     except InputRejected as e:
         return reject(db, settings, path, e.reason, sha)
     ranges = plan_chunks(expected_tokens(probed, settings.engine.default_tokens_per_page), chunk_plan(settings))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pymupdf
 from PIL import Image, ImageSequence
 
-from ingest.errors import InputRejected
+from ingest.errors import InputIncomplete, InputRejected
 
 SUFFIX_KIND = {".pdf": "pdf", ".tif": "tiff", ".tiff": "tiff", ".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg"}
 KIND_LABEL = {"pdf": "PDF", "tiff": "TIFF", "png": "PNG", "jpeg": "JPEG"}
@@ -63,7 +63,8 @@ def _probe_pdf(path: Path, size: int, max_page_pixels: int) -> tuple[int, tuple[
         f.seek(max(0, size - 2048))
         tail = f.read()
     if b"%%EOF" not in tail:
-        raise InputRejected("truncated PDF: no %%EOF marker at the end (the file was cut short or is still being written)")
+        raise InputIncomplete("truncated PDF: no %%EOF marker at the end (the file was cut short or is still being "
+                              "written)")
     try:
         doc = pymupdf.open(path, filetype="pdf")
     except Exception as e:  # pymupdf raises its own FileDataError and friends
@@ -109,6 +110,8 @@ def _probe_image(path: Path, max_page_pixels: int) -> int:
     except Image.DecompressionBombError as e:
         raise InputRejected(f"page too large to render safely: {e}") from None
     except Exception as e:  # PIL raises OSError/SyntaxError/ValueError for broken images
+        if "truncated" in str(e).lower():
+            raise InputIncomplete(f"broken image: {e} (cut short, or still being written)") from None
         raise InputRejected(f"broken image: {e}") from None
     if n == 0:
         raise InputRejected("image has no pages")

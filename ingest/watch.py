@@ -1,7 +1,11 @@
 """Watch the inbox: file events (watchdog) plus a periodic full rescan, then intake of settled files.
 
 A file is taken only when its size and mtime have not changed for ``settle_seconds`` and it can be
-opened exclusively. Every failure is contained to its file: the watcher logs it and goes on.
+opened exclusively. One that still looks cut short then (a network copy that stalled longer than the settle
+time) stays in the inbox and is looked at again (every ``RECHECK_SECONDS`` at most) until
+``incomplete_grace_seconds`` after its last change. Every failure is contained to its file: the watcher logs it and goes on. Folders inside
+the inbox and hidden or temporary names are not taken; each is named once in the log, so nothing is ignored
+unseen.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class _Candidate:
     mtime_ns: int
     stable_since: float
     errors: int = 0
+    not_before: float = 0.0  # an incomplete file: not looked at again before this (monotonic)
 
 
 class _Events(FileSystemEventHandler):
@@ -52,8 +57,10 @@ class InboxWatcher:
     _pending: dict[Path, _Candidate] = field(default_factory=dict)
     _events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     _last_rescan: float = 0.0
+    _told: set = field(default_factory=set)  # paths already named in the log as skipped or incomplete
 
     MAX_ERRORS = 5
+    RECHECK_SECONDS = 30.0
 
     @property
     def inbox(self) -> Path:
@@ -73,10 +80,21 @@ class InboxWatcher:
             for p in self.inbox.iterdir():
                 if p.is_file():
                     self._note(p)
+                elif p.is_dir() and not is_ignored_name(p.name):
+                    self._tell_once(p, f"folder {p.name} in the inbox is not looked into: uflash takes the files "
+                                       "placed directly in the inbox (move them up one level)")
         except OSError as e:
             logger.error("cannot list inbox {}: {}", self.inbox, e)
 
+    def _tell_once(self, path: Path, message: str, level: str = "WARNING") -> None:
+        if path not in self._told:
+            self._told.add(path)
+            logger.log(level, "{}", message)
+
     def _note(self, path: Path) -> None:
+        if path.parent == self.inbox and is_ignored_name(path.name) and path.is_file():
+            self._tell_once(path, f"{path.name} in the inbox is not taken: its name marks a hidden or temporary "
+                                  "file (one being copied is taken under its final name)", "INFO")
         if not self.wanted(path) or path in self._pending:
             return
         try:
@@ -103,7 +121,9 @@ class InboxWatcher:
                 del self._pending[path]
                 continue
             if (st.st_size, st.st_mtime_ns) != (c.size, c.mtime_ns):
-                c.size, c.mtime_ns, c.stable_since = st.st_size, st.st_mtime_ns, now
+                c.size, c.mtime_ns, c.stable_since, c.not_before = st.st_size, st.st_mtime_ns, now, 0.0
+                continue
+            if now < c.not_before:
                 continue
             if now - c.stable_since >= self.settings.watch.settle_seconds and can_open_exclusively(path):
                 ready.append(path)
@@ -118,7 +138,7 @@ class InboxWatcher:
                 res = reject(self.db, self.settings, path,
                              f"unsupported file type '{path.suffix or '(no extension)'}': watch.patterns takes {pats}")
             else:
-                res = intake_file(self.db, self.settings, path)
+                res = intake_file(self.db, self.settings, path, self.settings.watch.incomplete_grace_seconds)
         except Exception as e:  # never let one file stop the watcher
             c.errors += 1
             c.stable_since = time.monotonic()
@@ -132,6 +152,12 @@ class InboxWatcher:
                     return None
             else:
                 return None
+        if res.outcome == "incomplete":  # left in the inbox: look again later (or sooner, if it changes)
+            grace = self.settings.watch.incomplete_grace_seconds
+            c.not_before = time.monotonic() + min(self.RECHECK_SECONDS, max(self.settings.watch.settle_seconds, grace))
+            self._tell_once(path, f"{path.name} looks incomplete, waiting for the rest of it: {res.reason} "
+                                  f"(refused if still so {grace:.0f} s after its last change)")
+            return None
         del self._pending[path]
         if callable(self.on_result):
             self.on_result(path, res)

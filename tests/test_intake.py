@@ -229,3 +229,16 @@ def test_finished_document_dropped_again_under_its_name_is_a_duplicate(settings,
     a.write_bytes(content)
     r = intake_file(db, settings, a)
     assert r.outcome == "duplicate" and r.moved_to.parent == settings.archive / "duplicates" and not a.exists()
+
+
+def test_a_cut_short_file_within_the_grace_time_is_left_in_place(settings, db, tmp_path):
+    data = make_pdf(tmp_path / "a.pdf", 2).read_bytes()
+    path = settings.inbox / "arriving.pdf"
+    path.write_bytes(data[: len(data) // 2])
+    res = intake_file(db, settings, path, incomplete_grace_s=60)
+    assert res.outcome == "incomplete" and "truncated PDF" in res.reason and path.exists()
+    with db.session() as s:
+        assert s.scalar(select(func.count()).select_from(Rejected)) == 0
+    os.utime(path, (path.stat().st_atime, path.stat().st_mtime - 120))  # unchanged for two minutes: refused
+    res = intake_file(db, settings, path, incomplete_grace_s=60)
+    assert res.outcome == "rejected" and "unchanged for 60 s" in res.reason and not path.exists()

@@ -101,7 +101,8 @@ def test_200_files_dropped_at_once_become_200_documents(tmp_path):
 
 
 def test_watcher_survives_bad_files_and_duplicates(tmp_path):
-    cfg = write_config(tmp_path, watch={"settle_seconds": 0.5, "rescan_seconds": 1.0, "max_page_pixels": 1_000_000})
+    cfg = write_config(tmp_path, watch={"settle_seconds": 0.5, "rescan_seconds": 1.0, "max_page_pixels": 1_000_000,
+                                        "incomplete_grace_seconds": 2})  # truncated files: refused after 2 s
     settings = load_settings(cfg)
     proc = start_watch(cfg)
     try:
@@ -135,3 +136,34 @@ def test_restart_does_not_record_files_twice(tmp_path):
         time.sleep(1.5)
         stop(proc)
     assert counts(db) == (5, 0, 0)
+
+
+def test_a_stalled_copy_waits_in_the_inbox_and_is_taken_once_complete(tmp_path):
+    """A PDF whose writer pauses longer than the settle time looks cut short (no %%EOF): it stays in the inbox
+    (said once in the log) and becomes a document when the rest arrives; one still cut short after the grace time
+    is refused. Folders and temporary names in the inbox are named in the log, not ignored unseen."""
+    cfg = write_config(tmp_path, watch={"settle_seconds": 0.5, "rescan_seconds": 1.0, "incomplete_grace_seconds": 8})
+    settings = load_settings(cfg)
+    data = make_pdf(tmp_path / "slow.pdf", 3).read_bytes()
+    settings.inbox.mkdir(parents=True, exist_ok=True)
+    (settings.inbox / "Batch 2024-12").mkdir()
+    (settings.inbox / "~scan.pdf").write_bytes(data)
+    proc = start_watch(cfg)
+    try:
+        db = Database(settings.database_url)
+        with open(settings.inbox / "slow.pdf", "wb") as f:
+            f.write(data[: len(data) // 2])
+        (settings.inbox / "cut.pdf").write_bytes(data[: len(data) // 2])
+        assert wait_until(lambda: any("slow.pdf looks incomplete" in line for line in proc.lines), timeout=30)
+        time.sleep(2)  # well past the settle time: still waiting, nothing recorded for it
+        assert counts(db) == (0, 0, 0) and (settings.inbox / "slow.pdf").exists()
+        with open(settings.inbox / "slow.pdf", "ab") as f:
+            f.write(data[len(data) // 2:])
+        assert wait_until(lambda: counts(db)[0] == 1, timeout=30), counts(db)
+        assert wait_until(lambda: counts(db)[2] == 1, timeout=40), counts(db)  # cut.pdf, after the grace time
+        err = (settings.failed / "cut.pdf.error.txt").read_text(encoding="utf-8")
+        assert "truncated PDF" in err and "unchanged for 8 s" in err
+    finally:
+        out = stop(proc)
+    assert out.count("slow.pdf looks incomplete") == 1
+    assert "folder Batch 2024-12 in the inbox is not looked into" in out and "~scan.pdf in the inbox is not taken" in out
