@@ -294,6 +294,19 @@ def live_check(loaded, net: BlockDrafterNet, args) -> dict:
                     block_sits_out=not args.no_sit_out, compile_draft=args.compile_draft, warmup=warmup)
 
 
+def decoded_heldout(loaded, net: BlockDrafterNet, args) -> dict:
+    """`proxy_eval` on ``--decoded-heldout-pages`` held-out pages (seeds 820,000 ..) as the target decodes them
+    (`lossless` with ``net``: the target's own tokens), not on their labels: label data never shows the drafter
+    the target's own mistakes in its context."""
+    n = args.decoded_heldout_pages
+    pages, _ = synthetic_pages(n, 820_000, args.workers)
+    chunks = [[pages[i] for i in g] for g in chunk_groups(n, args.multi_frac, args.multi_pages, args.seed)]
+    outputs = decode_plain(loaded, chunks, args.max_new_tokens, "decoding held-out pages (lossless)", net)
+    seqs = build_teacher(loaded, chunks, outputs, list(net.config.layers))
+    return {"pages": n, "chunks": len(chunks), "tokens": sum(len(s.output_ids) for s in seqs),
+            **proxy_eval(net, loaded, seqs, max_examples=8192)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="checkpoint folder (e.g. models/demo, or a downloaded baidu/Unlimited-OCR)")
@@ -313,6 +326,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=0, help="processes rendering synthetic pages")
     ap.add_argument("--heldout-pages", type=int, default=0, help="held-out label pages for the teacher-forced tau")
     ap.add_argument("--eval-pages", type=int, default=0, help="held-out pages for the lossless-vs-plain check")
+    ap.add_argument("--decoded-heldout-pages", type=int, default=0,
+                    help="teacher-forced tau on N held-out pages as the target decodes them (seeds 820,000 ..; "
+                         "chunked as --multi-frac says), not on their labels")
     ap.add_argument("--eval-chunk-pages", type=int, default=1, help="live check: pages per decoded chunk")
     ap.add_argument("--eval-k-max", type=int, help="live check: longest draft verified (default: the block size)")
     ap.add_argument("--multi-frac", type=float, default=0.0,
@@ -358,8 +374,8 @@ def main(argv=None) -> int:
         ap.error("--data labels needs synthetic pages (your own pages have no labels): leave out --images")
     if args.page_seed < 1_000_000:
         ap.error("--page-seed must be >= 1,000,000 (lower seeds are the held-out pages)")
-    if args.eval_only and not args.eval_pages:
-        ap.error("--eval-only needs --eval-pages N")
+    if args.eval_only and not (args.eval_pages or args.decoded_heldout_pages):
+        ap.error("--eval-only needs --eval-pages N (or --decoded-heldout-pages N)")
 
     from engine.model import load_model
 
@@ -383,11 +399,17 @@ def main(argv=None) -> int:
     if args.eval_only:
         folder = Path(args.init) if args.init else drafter_folder(args.model)
         net = BlockDrafterNet.load(folder, loaded.device, loaded.dtype)
-        record = {"model": str(args.model), "drafter": str(folder), "eval": live_check(loaded, net, args)}
-        ev = record["eval"]
-        print(f"{'pages':>6} {'identical':>9} {'tau':>6} {'speedup':>8} {'ms plain':>9} {'ms draft':>9} {'ms verify':>10}")
-        print(f"{ev['pages']:>6} {ev['identical']:>9} {ev['tau_mean']:>6.2f} {ev['speedup_vs_plain']:>8.2f} "
-              f"{ev['ms_plain_step']:>9.3f} {ev['ms_draft']:>9.3f} {ev['ms_verify_round']:>10.3f}")
+        record = {"model": str(args.model), "drafter": str(folder)}
+        if args.decoded_heldout_pages:
+            record["decoded_heldout"] = decoded_heldout(loaded, net, args)
+            print(f"teacher-forced tau on {args.decoded_heldout_pages} decoded held-out pages: "
+                  f"{record['decoded_heldout']['tau']:.3f} {record['decoded_heldout']['acceptance_by_position']}")
+        if args.eval_pages:
+            ev = record["eval"] = live_check(loaded, net, args)
+            print(f"{'pages':>6} {'identical':>9} {'tau':>6} {'speedup':>8} {'ms plain':>9} {'ms draft':>9} "
+                  f"{'ms verify':>10}")
+            print(f"{ev['pages']:>6} {ev['identical']:>9} {ev['tau_mean']:>6.2f} {ev['speedup_vs_plain']:>8.2f} "
+                  f"{ev['ms_plain_step']:>9.3f} {ev['ms_draft']:>9.3f} {ev['ms_verify_round']:>10.3f}")
         if args.json:
             Path(args.json).write_text(json.dumps(record, indent=1))
         print(json.dumps(record))

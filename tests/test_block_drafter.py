@@ -381,7 +381,10 @@ def test_train_drafter_decodes_with_the_init_drafter_and_live_checks_after_a_war
     assert main([*common, "--pages", "2", "--steps", "5", "--batch", "16", "--data", "decode", "--init", str(first),
                  "--out", str(second), "--json", str(record_path)]) == 0
     assert json.loads(record_path.read_text())["decode_s"] > 0
-    assert main([*common, "--eval-only", "--init", str(second), "--eval-pages", "2", "--json", str(record_path)]) == 0
-    ev = json.loads(record_path.read_text())["eval"]
+    assert main([*common, "--eval-only", "--init", str(second), "--eval-pages", "2", "--decoded-heldout-pages", "2",
+                 "--json", str(record_path)]) == 0
+    record = json.loads(record_path.read_text())
+    assert record["decoded_heldout"]["pages"] == 2 and 0 <= record["decoded_heldout"]["tau"] <= 4
+    ev = record["eval"]
     assert ev["identical"] == ev["chunks"] == 2 and ev["warmup_chunks"] == 1 and ev["warmup_s"]["block"] > 0
     assert ev["draft_compiled"] is None  # the eager engine on the CPU: no static drafter
