@@ -6,7 +6,8 @@ Contract (what every function here keeps true):
 - A claim is one ``UPDATE ... WHERE id = (SELECT ... LIMIT 1) RETURNING`` statement inside a short
   transaction (SQLite: ``BEGIN IMMEDIATE``, so two processes cannot pick the same row; PostgreSQL: the
   sub-select uses ``FOR UPDATE SKIP LOCKED``). It takes a queued chunk whose ``next_attempt_at`` has come,
-  or a running chunk whose lease has expired (its owner died), and counts an attempt.
+  or a running chunk whose lease has expired (its owner died), and counts an attempt. It may be limited to
+  some documents (``uflash run FILE...`` takes only the chunks of the documents it was given).
 - A lease is (owner, expiry). Only the owner may renew, complete or fail it, and only while it holds it:
   a worker whose lease was taken over gets ``False`` back and must drop its result.
 - A chunk whose attempts reach ``max_attempts`` ends ``failed`` with its last error; earlier failures go
@@ -17,10 +18,11 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from loguru import logger
-from sqlalchemy import Connection, and_, case, func, literal, or_, select, update
+from sqlalchemy import ColumnElement, Connection, and_, bindparam, case, func, literal, or_, select, update
 
 from db.models import Chunk, ChunkStatus, DocStatus, Document
 from db.session import Database
@@ -58,19 +60,28 @@ def _fail_exhausted(conn: Connection, now: float, max_attempts: int) -> None:
         refresh_document(conn, doc_id)
 
 
+def among(column: ColumnElement, ids: Collection[int]) -> ColumnElement:
+    """``column IN (ids)`` with the ids written into the SQL rather than bound one parameter each, so that a
+    `uflash run` of a folder of many thousand files stays under SQLite's and PostgreSQL's parameter limits."""
+    return column.in_(bindparam("ids", sorted(ids), expanding=True, literal_execute=True, unique=True))
+
+
 def claim(db: Database, owner: str, lease_seconds: float, max_attempts: int, now: float | None = None,
-          run_id: int | None = None) -> Claim | None:
+          run_id: int | None = None, document_ids: Collection[int] | None = None) -> Claim | None:
     """Atomically take the next runnable chunk for ``owner``, or return None when there is none.
 
     A chunk queued with its ``run_id`` already set is reserved for that run (a re-run): only a claim with
     that ``run_id`` takes it, and a claim with a ``run_id`` takes nothing else. (Other chunks get their
-    run_id when they complete.)"""
+    run_id when they complete.) With ``document_ids`` only chunks of those documents are taken (an empty
+    collection takes nothing); the claim stays one atomic statement."""
     now = time.time() if now is None else now
     runnable = or_(
         and_(T.c.status == ChunkStatus.QUEUED, T.c.next_attempt_at <= now),
         and_(T.c.status == ChunkStatus.RUNNING, T.c.lease_expires_at < now),
     )
     runnable = and_(runnable, T.c.run_id.is_(None) if run_id is None else T.c.run_id == run_id)
+    if document_ids is not None:
+        runnable = and_(runnable, among(T.c.document_id, document_ids))
     pick = select(T.c.id).where(runnable).order_by(T.c.document_id, T.c.first_page, T.c.id).limit(1)
     if db.dialect == "postgresql":
         pick = pick.with_for_update(skip_locked=True)

@@ -35,7 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--intake-only", action="store_true", help="record files but do not run the GPU worker")
 
     r = sub.add_parser("run", help="process these files (or the inbox) now, and exit when they are done")
-    r.add_argument("paths", nargs="*", metavar="PATH", help="files or folders (default: everything in the inbox)")
+    r.add_argument("paths", nargs="*", metavar="PATH",
+                   help="files or folders: only their documents are decoded (default: everything in the inbox and "
+                        "every document already queued in the ledger)")
     r.add_argument("--mode", choices=MODES,
                    help="official: transformers generate(); plain: our engine, one token a step; lossless: "
                         "speculative, token-identical to official; fast: speculative with relaxed acceptance "
@@ -43,7 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--out", metavar="DIR", help="write outputs here instead of folders.outbox")
 
     rp = sub.add_parser("report", help="per-page grades, reasons, tau and tokens/s of a run; writes the HTML report")
-    rp.add_argument("--run", type=int, metavar="ID", help="the run (default: the latest run with pages)")
+    rp.add_argument("--run", type=int, metavar="ID",
+                    help="the run: one per `uflash run`, `uflash watch` process or `uflash rerun` (default: the "
+                         "latest run with pages)")
     rp.add_argument("--grade", choices=["good", "fair", "poor"], help="only pages of this grade")
     rp.add_argument("--json", action="store_true", help="print one JSON object")
     rp.add_argument("--no-html", action="store_true", help="do not write <outbox>/reports/run-<ID>.html")
@@ -109,7 +113,7 @@ def cmd_watch(settings: Settings, args: argparse.Namespace) -> int:
         return 0
     intake = threading.Thread(target=watcher.run, args=(stop,), name="intake", daemon=True)
     intake.start()
-    worker = _make_worker(settings, db)
+    worker = _make_worker(settings, db)  # this process's run: opened at its first chunk, closed when it stops
     try:
         while not stop.is_set():
             try:
@@ -119,8 +123,9 @@ def cmd_watch(settings: Settings, args: argparse.Namespace) -> int:
                 wait_backoff(60, stop)
     finally:
         stop.set()
+        run_id = worker.close_run()
         intake.join(timeout=30)
-    logger.info("stopped")
+    logger.info("stopped{}", f" (run {run_id} closed)" if run_id is not None else "")
     return 0
 
 
@@ -134,9 +139,10 @@ def cmd_run(settings: Settings, args: argparse.Namespace) -> int:
     settings.check_folders()
     settings.ensure_folders()
     db = _open_db(settings)
-    code = run_batch(settings, db, [Path(p) for p in args.paths], _make_worker, _stop_event())
-    _write_report(settings, db)
-    return code
+    res = run_batch(settings, db, [Path(p) for p in args.paths], _make_worker, _stop_event())
+    if res.run_id is not None:  # the report of this invocation's run only (nothing decoded: no report)
+        _write_report(settings, db, res.run_id)
+    return res.code
 
 
 def _write_report(settings: Settings, db, run_id: int | None = None) -> None:  # noqa: ANN001

@@ -1,7 +1,11 @@
 """``uflash report``: per document and page, grade, reasons, tau and tokens/s of one run, as a table,
 as JSON, and as a static HTML page in ``<outbox>/reports/run-<ID>.html`` (a thumbnail of each page beside
 its text and stats, rendered from the archived original; filter by grade with the buttons or a URL hash
-such as ``#grade=poor``; no network access, everything is inline)."""
+such as ``#grade=poor``; no network access, everything is inline).
+
+A run is one ``uflash run``, one ``uflash watch`` process or one ``uflash rerun`` (ingest/worker.py), and its
+report shows the pages that run decoded, nothing earlier: its size and the time to render its thumbnails grow
+with that run's work, not with the ledger."""
 
 from __future__ import annotations
 
@@ -59,15 +63,22 @@ def collect_report(db: Database, run_id: int | None = None, grade: str | None = 
             "tokens_per_second": round(tokens / seconds, 2) if seconds else None,
             "quality": q, "text": page.text})
     return {"run": {"id": run.id, "mode": run.mode, "model": run.model, "started_at": run.started_at.isoformat(),
+                    "finished_at": run.finished_at.isoformat() if run.finished_at else None,
                     "settings": run.settings},
             "documents": list(docs.values()), "pages": sum(len(d["pages"]) for d in docs.values()), "grades": grades}
+
+
+def _when(iso: str) -> str:
+    return iso[:19].replace("T", " ")
 
 
 def format_report(rep: dict[str, Any]) -> str:
     if rep["run"] is None:
         return "no pages stored yet"
     r = rep["run"]
-    lines = [f"run {r['id']} ({r['mode']}, {r['model']}): {rep['pages']} pages  "
+    span = f"started {_when(r['started_at'])}, " + (f"finished {_when(r['finished_at'])}" if r.get("finished_at")
+                                                    else "not finished: still running, or stopped by a crash")
+    lines = [f"run {r['id']} ({r['mode']}, {r['model']}; {span}): {rep['pages']} pages  "
              + "  ".join(f"{g} {n}" for g, n in sorted(rep["grades"].items()))]
     for d in rep["documents"]:
         lines += ["", f"#{d['id']} {d['name']} ({d['page_count']} pages)",

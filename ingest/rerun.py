@@ -15,11 +15,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any
 
 from loguru import logger
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select
 
 from db.models import Chunk, ChunkStatus, Document, Page, Run
 from db.session import Database
@@ -137,8 +136,7 @@ def rerun(settings: Settings, db: Database, make_worker: Callable[..., Any], sto
     try:
         worker.serve(stop, until=finished)
     finally:
-        with db.engine.begin() as conn:  # a re-run's run is never reused by later passes
-            conn.execute(update(Run.__table__).where(Run.id == run_id).values(finished_at=datetime.now(timezone.utc)))
+        worker.close_run()
     with db.session() as s:
         ids = list(s.scalars(select(Chunk.id).where(Chunk.run_id == run_id)))
         failed = [f"pages {c.first_page}-{c.last_page} of document {c.document_id}: {c.last_error}"

@@ -7,9 +7,15 @@ worker killed mid-chunk leaves nothing behind, and the chunk is redone by whoeve
 Every stored page carries ``stats["quality"]`` (engine.quality.page_quality: finish reason, Distinct-20/35,
 log-probabilities, agreement with the PDF text layer) and ``stats["mode"]``; when the document is finished,
 each page is graded against its neighbours with the ``[quality]`` thresholds (grade and reasons are written
-into the same stats). A re-run worker (``fresh_run``) starts a new run and claims only the chunks reserved for
-it (queued with that run_id; chunks it splits off stay reserved), with the earlier output of the same pages as
-its draft, and rewrites the document outputs.
+into the same stats).
+
+Every worker has its own run (one ``uflash run``, one ``uflash watch`` process, one re-run): opened when it decodes
+its first chunk, closed (``finished_at``) by ``close_run()`` when the command ends, Ctrl+C and SIGTERM included.
+Each page records the run that produced it. A worker killed outright leaves its run open; later workers never
+reuse an open run, so that changes nothing for them. A worker given ``document_ids`` (``uflash run FILE...``)
+claims and finishes only those documents. A re-run worker (``fresh_run``) claims only the chunks reserved for
+its run (queued with that run_id; chunks it splits off stay reserved), with the earlier output of the same pages
+as its draft, and rewrites the document outputs.
 """
 
 from __future__ import annotations
@@ -25,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from loguru import logger
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select, true, update
 
 import engine
 from db.models import Chunk, ChunkStatus, DocStatus, Document, Page, Run
-from db.queue import Claim, Heartbeat, claim, complete, fail, refresh_document, release
+from db.queue import Claim, Heartbeat, among, claim, complete, fail, refresh_document, release
 from db.session import Database
 from engine.chunk_decode import ChunkDecoder, ChunkOutput
 from engine.model import ModelLoadError, ModelNotFound
@@ -63,7 +69,8 @@ class Worker:
     make_decoder: Callable[[], ChunkDecoder]
     owner: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
     on_pages: Callable[[int], None] | None = None  # progress callback: pages finished
-    fresh_run: dict[str, Any] | None = None  # a re-run: a new run recording these settings, its own chunks only
+    fresh_run: dict[str, Any] | None = None  # a re-run: its run records these settings; its own chunks only
+    document_ids: frozenset[int] | None = None  # only these documents' chunks (uflash run FILE...); None: any
     _decoder: ChunkDecoder | None = None
     _run_id: int | None = None
     _waiting_on: frozenset[str] = frozenset()  # owners of the leases the last idle poll found (logged once)
@@ -78,27 +85,28 @@ class Worker:
         return self._decoder
 
     def run_id(self) -> int:
-        """The open run for this model and mode (reused across restarts, so a document keeps one run)."""
+        """This worker's run, opened on first use (loading the model): a new one for every worker, never an
+        earlier run left open (a worker that was killed, or another process running now)."""
         if self._run_id is None:
             d = self.decoder()
             with self.db.session() as s, s.begin():
-                if self.fresh_run is not None:
-                    run = Run(mode=d.mode, model=d.model_name, engine_version=engine.__version__,
-                              host=socket.gethostname(), settings={**d.describe(), **self.fresh_run})
-                    s.add(run)
-                    s.flush()
-                    self._run_id = run.id
-                    return run.id
-                run = s.scalar(select(Run).where(Run.mode == d.mode, Run.model == d.model_name,
-                                                 Run.engine_version == engine.__version__, Run.finished_at.is_(None))
-                               .order_by(Run.id.desc()))
-                if run is None:
-                    run = Run(mode=d.mode, model=d.model_name, engine_version=engine.__version__,
-                              host=socket.gethostname(), settings=d.describe())
-                    s.add(run)
-                    s.flush()
+                run = Run(mode=d.mode, model=d.model_name, engine_version=engine.__version__,
+                          host=socket.gethostname(),
+                          settings={**d.describe(), "owner": self.owner, **(self.fresh_run or {})})
+                s.add(run)
+                s.flush()
                 self._run_id = run.id
         return self._run_id
+
+    def close_run(self) -> int | None:
+        """Close this worker's run (``finished_at``), if it opened one, and return its id. Work after this
+        opens a new run."""
+        run_id, self._run_id = self._run_id, None
+        if run_id is not None:
+            with self.db.engine.begin() as conn:
+                conn.execute(update(Run.__table__).where(Run.id == run_id, Run.finished_at.is_(None))
+                             .values(finished_at=datetime.now(timezone.utc)))
+        return run_id
 
     # -- the loop --------------------------------------------------------------------------------
     def serve(self, stop: threading.Event, until: Callable[[], bool] | None = None) -> None:
@@ -109,7 +117,7 @@ class Worker:
             if until is not None and until():
                 return
             c = claim(self.db, self.owner, w.lease_seconds, w.max_attempts,
-                      run_id=self.run_id() if self.fresh_run is not None else None)
+                      run_id=self.run_id() if self.fresh_run is not None else None, document_ids=self.document_ids)
             if c is None:
                 self._log_leased()
                 self.finalize_ready()
@@ -123,10 +131,11 @@ class Worker:
         its lease until it expires (up to ``lease_seconds``): without this line a restarted ``uflash run`` sits
         silent that long, and ``status`` only shows ``running``."""
         now = time.time()
+        mine = among(Chunk.document_id, self.document_ids) if self.document_ids is not None else true()
         with self.db.session() as s:
             rows = s.execute(select(Chunk.lease_owner, func.count(), func.max(Chunk.lease_expires_at)).where(
                 Chunk.status == ChunkStatus.RUNNING, Chunk.lease_expires_at >= now, Chunk.lease_owner != self.owner,
-                Chunk.run_id.is_(None) if self.fresh_run is None else Chunk.run_id == self._run_id,
+                Chunk.run_id.is_(None) if self.fresh_run is None else Chunk.run_id == self._run_id, mine,
             ).group_by(Chunk.lease_owner)).all()
         owners = frozenset(owner for owner, _, _ in rows)
         for owner, n, until in rows:
@@ -279,9 +288,12 @@ class Worker:
     # -- documents -------------------------------------------------------------------------------
     def finalize_ready(self) -> None:
         """Finish documents whose chunks are all done but whose outputs were not written (a crash
-        between the last chunk and the outputs leaves exactly this)."""
+        between the last chunk and the outputs leaves exactly this); only this worker's documents when it has
+        ``document_ids``."""
+        mine = among(Document.id, self.document_ids) if self.document_ids is not None else true()
         with self.db.session() as s:
-            ids = s.scalars(select(Document.id).where(Document.status.in_([DocStatus.QUEUED, DocStatus.RUNNING]))).all()
+            ids = s.scalars(select(Document.id).where(Document.status.in_([DocStatus.QUEUED, DocStatus.RUNNING]),
+                                                      mine)).all()
         for doc_id in ids:
             with self.db.engine.begin() as conn:
                 ready = refresh_document(conn, doc_id) == "ready"

@@ -159,3 +159,27 @@ def test_release_gives_chunk_back_without_counting(db):
     assert release(db, c)
     c2 = claim(db, "b", 60, 3)
     assert c2.chunk_id == c.chunk_id and c2.attempts == 1
+
+
+def test_claim_limited_to_some_documents_leaves_the_others_queued(any_db):
+    """`uflash run FILE`: the claim takes only chunks of the given documents, a backlog queued before them stays
+    untouched (not claimed, no attempt counted), an expired lease of a given document is still taken over, and a
+    claim without the filter (`uflash watch`) takes the backlog in order."""
+    db = any_db
+    backlog = add_document(db, 3, "backlog.pdf")  # queued first: an unfiltered claim would take it first
+    named = add_document(db, 2, "named.pdf")
+    a = claim(db, "run", 60, 3, document_ids={named})
+    assert a is not None and a.document_id == named and a.first_page == 1
+    b = claim(db, "run", 1, 3, document_ids=[named])
+    assert b is not None and b.document_id == named and b.first_page == 2
+    assert claim(db, "run", 60, 3, document_ids={named}) is None  # both held: nothing else for this run
+    assert claim(db, "run", 60, 3, document_ids=set()) is None
+    taken_over = claim(db, "run-2", 60, 3, now=time.time() + 5, document_ids={named})  # b's lease expired
+    assert taken_over is not None and taken_over.chunk_id == b.chunk_id and taken_over.attempts == 2
+    with db.session() as s:
+        rest = s.scalars(select(Chunk).where(Chunk.document_id == backlog)).all()
+        assert s.get(Document, backlog).status == "queued"
+    assert [(c.status, c.attempts, c.lease_owner) for c in rest] == [(ChunkStatus.QUEUED, 0, None)] * 3
+    w = claim(db, "watch", 60, 3)
+    assert w is not None and (w.document_id, w.first_page) == (backlog, 1)
+    assert claim(db, "run", 60, 3, document_ids=list(range(100_000, 140_000)) + [backlog]).document_id == backlog

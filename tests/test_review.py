@@ -141,7 +141,7 @@ def test_report_json_agrees_with_the_database(review):
         r = uflash("--config", str(cfg), "report", "--run", str(run_id), "--json")
         assert r.returncode == 0, r.stderr
         rep = json.loads(r.stdout)
-        assert rep["run"]["id"] == run_id
+        assert rep["run"]["id"] == run_id and rep["run"]["finished_at"]  # `uflash run` and `rerun` close their run
         shown = [p for d in rep["documents"] for p in d["pages"]]
         assert sorted(p["page_id"] for p in shown) == sorted(i for i, p in pages.items() if p.run_id == run_id)
         for p in shown:
@@ -266,6 +266,53 @@ def test_page_cut_at_the_context_limit_is_graded_poor(tmp_path, tiny_model_dir):
     assert page.stats["mode"] == "official"
     assert q["finish_reason"] == "context_limit" and q["grade"] == "poor" and q["reasons"][0] == "context_limit"
     assert len(q) > 5 and q["tokens"] == page.stats["tokens"]
+
+
+def test_report_of_a_run_covers_its_own_pages_only(tmp_path, tiny_model_dir):
+    """Workers one after the other on one ledger: each opens its own run, never one left open by a worker that
+    stopped without closing it (a crash); a worker limited to some documents leaves the others queued; the report
+    of a run (table data and HTML thumbnails) holds that run's pages only, and the default is the latest run."""
+    from ingest.report import write_html_report
+
+    cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_tokens_per_page": 8})
+    s = load_settings(cfg)
+    s.ensure_folders()
+    db = Database(s.database_url)
+    loaded = load_model(str(tiny_model_dir), "cpu", "float32")
+    a, b, c = (intake_file(db, s, make_pdf(s.inbox / f"{n}.pdf", k)).document_id for n, k in (("a", 2), ("b", 1),
+                                                                                                  ("c", 3)))
+
+    def serve(worker, until):
+        stop = threading.Event()
+        timer = threading.Timer(300, stop.set)
+        timer.start()
+        try:
+            worker.serve(stop, until=until)
+        finally:
+            timer.cancel()
+        assert not stop.is_set(), "timed out"
+
+    def status(doc_id):
+        with db.session() as ss:
+            return ss.get(Document, doc_id).status
+
+    crashed = Worker(s, db, lambda: OfficialDecoder(loaded), document_ids=frozenset({a}))
+    serve(crashed, lambda: status(a) == "done")  # never closed: as if killed
+    second = Worker(s, db, lambda: OfficialDecoder(loaded), document_ids=frozenset({b}))
+    serve(second, lambda: status(b) == "done")
+    run_a, run_b = crashed.run_id(), second.close_run()
+    assert run_b != run_a and status(c) == "queued"
+    with db.session() as ss:
+        assert ss.get(Run, run_a).finished_at is None and ss.get(Run, run_b).finished_at is not None
+        assert ss.scalar(select(func.count()).select_from(Page).where(Page.document_id == c)) == 0
+    for run_id, doc_id, n in ((run_a, a, 2), (run_b, b, 1)):
+        rep = collect_report(db, run_id)
+        shown = [(d["id"], [p["index"] for p in d["pages"]]) for d in rep["documents"]]
+        assert shown == [(doc_id, list(range(1, n + 1)))]
+        html = write_html_report(db, s.outbox, run_id).read_text(encoding="utf-8")
+        assert html.count("data:image/jpeg;base64,") == n
+    assert collect_report(db)["run"]["id"] == run_b
+    assert collect_report(db, run_a)["run"]["finished_at"] is None
 
 
 def _doc_done(db) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -18,7 +19,7 @@ import torch
 from PIL import Image
 from sqlalchemy import func, select
 
-from db.models import Chunk, ChunkStatus, Document, Duplicate, Page
+from db.models import Chunk, ChunkStatus, Document, Duplicate, Page, Run
 from db.session import Database
 from engine.chunk_decode import OfficialDecoder, assemble
 from engine.model import load_model
@@ -252,12 +253,14 @@ def test_worker_killed_mid_chunk_redoes_it_once(tmp_path, tiny_model_dir):
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
     # The tiny model decodes a chunk in ~0.2 s: watch the queue itself, freeze the worker (SIGSTOP) the moment it
-    # holds a chunk, confirm the chunk is still running while frozen, then kill it for real (SIGKILL).
+    # holds a chunk with the model loaded (its run opened), confirm the chunk is still running while frozen, then
+    # kill it for real (SIGKILL).
     db = Database(s.database_url)
     deadline, running = time.monotonic() + 120, []
     while not running and time.monotonic() < deadline and proc.poll() is None:
         with db.session() as ss:
-            if ss.scalars(select(Chunk).where(Chunk.status == ChunkStatus.RUNNING)).first() is None:
+            if ss.scalars(select(Chunk).where(Chunk.status == ChunkStatus.RUNNING)).first() is None \
+                    or ss.scalar(select(Run.id)) is None:
                 time.sleep(0.005)
                 continue
         os.kill(proc.pid, signal.SIGSTOP)
@@ -279,6 +282,16 @@ def test_worker_killed_mid_chunk_redoes_it_once(tmp_path, tiny_model_dir):
     assert doc.status == "done"
     assert [n for _, n in pages_in_db(db, doc.id)] == [1] * 4
     assert max(c.attempts for c in chunks) == 2  # the killed chunk was redone once
+    # The killed watcher's run stays open; the restart did not reuse it: its own run, closed, with the redone chunk.
+    killed, restart = runs_in_db(db)
+    assert killed.finished_at is None and restart.finished_at is not None
+    redone = next(c for c in chunks if c.attempts == 2)
+    assert redone.run_id == restart.id
+    assert {(doc.id, i) for i in redone.pages} <= set(pages_of_run(db, restart.id))
+    rep = json.loads(uflash("--config", str(cfg), "report", "--json", "--no-html").stdout)
+    assert rep["run"]["id"] == restart.id
+    assert sorted(p["index"] for d in rep["documents"] for p in d["pages"]) == \
+        [i for _, i in pages_of_run(db, restart.id)]
 
 
 @pytest.mark.skipif(not (ROOT.parent / "shared" / "samples" / "real").is_dir(), reason="shared samples absent")
@@ -414,3 +427,106 @@ def test_worker_says_once_whose_lease_it_waits_for(tmp_path):
     assert len(waits) == 2, lines
     until = datetime.fromtimestamp(expires).strftime("%H:%M:%S")
     assert all(w.startswith(f"waiting for 1 chunk(s) leased by deadhost:4242 until {until} (in ") for w in waits)
+
+
+# -- which chunks a `uflash run` takes, and one run per invocation -------------------------------------------------
+
+def runs_in_db(db):
+    with db.session() as ss:
+        return ss.scalars(select(Run).order_by(Run.id)).all()
+
+
+def pages_of_run(db, run_id):
+    with db.session() as ss:
+        return ss.execute(select(Page.document_id, Page.page_index).where(Page.run_id == run_id)
+                          .order_by(Page.document_id, Page.page_index)).all()
+
+
+def test_run_decodes_only_the_named_files_and_each_run_is_its_own(tmp_path, tiny_model_dir):
+    """A 5-page document queued earlier (here: from a shelf outside the inbox, as an interrupted `uflash run` leaves
+    it) and `uflash run small.pdf`: only small.pdf is decoded, the progress bar counts its one page, the backlog
+    stays queued untouched and is named. Then `uflash run` with no files and an empty inbox takes the backlog, in a
+    second run; each run is closed and its report shows its own pages only; a third finds nothing to do."""
+    cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_pages_per_chunk": 2, "max_tokens_per_page": 8})
+    s = load_settings(cfg)
+    s.ensure_folders()
+    db = Database(s.database_url)
+    big = intake_file(db, s, make_pdf(tmp_path / "shelf" / "big.pdf", 5)).document_id  # 3 chunks, queued
+    small_pdf = make_pdf(tmp_path / "shelf" / "small.pdf", ["One page."])
+
+    r = uflash("--config", str(cfg), "run", str(small_pdf), timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "done    small.pdf: 1 pages" in r.stdout
+    assert "queued  1 document (3 chunks) more wait in the ledger" in r.stdout, r.stdout
+    bars = re.findall(r"(\d+)/(\d+) \[", r.stderr)
+    assert bars and bars[-1] == ("1", "1") and all(int(n) <= int(t) for n, t in bars), r.stderr
+    with db.session() as ss:
+        small = ss.scalar(select(Document.id).where(Document.original_name == "small.pdf"))
+        backlog = ss.scalars(select(Chunk).where(Chunk.document_id == big)).all()
+        assert ss.get(Document, big).status == "queued"
+    assert [(c.status, c.attempts) for c in backlog] == [(ChunkStatus.QUEUED, 0)] * 3
+    (run1,) = runs_in_db(db)
+    assert run1.finished_at is not None
+    assert pages_of_run(db, run1.id) == [(small, 1)]
+    report1 = s.outbox / "reports" / f"run-{run1.id}.html"
+    assert f"report  {report1}" in r.stdout
+    html1 = report1.read_text(encoding="utf-8")
+    assert html1.count("data:image/jpeg;base64,") == 1 and "big.pdf" not in html1
+
+    r = uflash("--config", str(cfg), "run", timeout=600)  # no files, empty inbox: the backlog
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"taking 1 document (3 chunks) already queued in the ledger (the inbox {s.inbox} is empty)" in r.stdout
+    assert "done    big.pdf: 5 pages" in r.stdout and "queued  " not in r.stdout
+    run1_again, run2 = runs_in_db(db)
+    assert run1_again.finished_at == run1.finished_at and run2.finished_at is not None
+    assert pages_of_run(db, run2.id) == [(big, i) for i in range(1, 6)]
+    html2 = (s.outbox / "reports" / f"run-{run2.id}.html").read_text(encoding="utf-8")
+    assert html2.count("data:image/jpeg;base64,") == 5 and "small.pdf" not in html2
+    assert report1.read_text(encoding="utf-8") == html1, "an earlier run's report is left as it was"
+    rep = json.loads(uflash("--config", str(cfg), "report", "--json", "--no-html").stdout)  # default: latest run
+    assert rep["run"]["id"] == run2.id and rep["pages"] == 5 and rep["run"]["finished_at"]
+
+    r = uflash("--config", str(cfg), "run", timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "nothing to do: no files given" in r.stdout and "no document is queued" in r.stdout
+    assert "report  " not in r.stdout and len(runs_in_db(db)) == 2  # nothing decoded: no run, no report
+
+
+def start_full_watch(cfg):
+    proc = subprocess.Popen([sys.executable, "-m", "ingest.cli", "--config", str(cfg), "watch"], cwd=ROOT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    proc.lines = []
+    threading.Thread(target=lambda: proc.lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    return proc
+
+
+def test_each_watch_process_is_its_own_run_closed_on_sigterm_and_sigint(tmp_path, tiny_model_dir):
+    """Two `uflash watch` processes one after the other, each given one file: two runs, each closed when its
+    process stops (SIGTERM, then SIGINT), each holding its own document's pages only."""
+    cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_tokens_per_page": 8})
+    s = load_settings(cfg)
+    s.ensure_folders()
+    db = Database(s.database_url)
+    for name, sig in (("first", signal.SIGTERM), ("second", signal.SIGINT)):
+        proc = start_full_watch(cfg)
+        try:
+            make_pdf(tmp_path / "drop" / f"{name}.pdf", 2).rename(s.inbox / f"{name}.pdf")
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and proc.poll() is None:
+                with db.session() as ss:
+                    if ss.scalar(select(Document.status).where(Document.original_name == f"{name}.pdf")) == "done":
+                        break
+                time.sleep(0.2)
+            proc.send_signal(sig)
+            assert proc.wait(timeout=60) == 0, "".join(proc.lines)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    first, second = runs_in_db(db)
+    assert first.finished_at is not None and second.finished_at is not None and second.started_at > first.finished_at
+    with db.session() as ss:
+        ids = dict(ss.execute(select(Document.original_name, Document.id)).all())
+    assert pages_of_run(db, first.id) == [(ids["first.pdf"], 1), (ids["first.pdf"], 2)]
+    assert pages_of_run(db, second.id) == [(ids["second.pdf"], 1), (ids["second.pdf"], 2)]
