@@ -1,5 +1,7 @@
-"""Per-document outputs in the outbox: ``document.md`` (pages in order, with page markers) and
-``document.json``. Both are written atomically (temp file + rename): a reader never sees half a file."""
+"""Per-document outputs in the outbox: ``document.md`` (pages in order, with page markers), ``document.json`` and,
+given the original, ``document.pdf`` (the scan with the text laid over it invisibly: `ingest.searchable_pdf`).
+All are written atomically (temp file + rename): a reader never sees half a file. The searchable PDF is an extra:
+if it cannot be made, the log says why and the document is still done (its text is in the other two)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import json
 import re
 from pathlib import Path
 from typing import Any
+
+from loguru import logger
 
 from ingest.files import write_atomic
 
@@ -37,7 +41,8 @@ def output_folder(outbox: Path, name: str, sha256: str) -> Path:
 
 
 def write_document_outputs(folder: Path, document: dict[str, Any], run: dict[str, Any],
-                           pages: list[dict[str, Any]]) -> tuple[Path, Path]:
+                           pages: list[dict[str, Any]], source: Path | None = None) -> tuple[Path, Path]:
+    """document.md and document.json (returned), and document.pdf when ``source`` (the original file) is given."""
     md_lines = [f"# {document['name']}", ""]
     for p in pages:
         fast = " (fast mode)" if (p.get("stats") or {}).get("mode") == "fast" else ""  # not token-exact: say so
@@ -48,4 +53,11 @@ def write_document_outputs(folder: Path, document: dict[str, Any], run: dict[str
     js = folder / "document.json"
     write_atomic(md, "\n".join(md_lines).rstrip() + "\n")
     write_atomic(js, json.dumps({"document": document, "run": run, "pages": pages}, ensure_ascii=False, indent=1))
+    if source is not None:
+        from ingest.searchable_pdf import write_searchable_pdf  # imports page_markdown from here
+
+        try:
+            write_searchable_pdf(folder / "document.pdf", source, document["kind"], pages)
+        except Exception as e:  # noqa: BLE001 - an extra output: never the reason a document fails
+            logger.warning("{}: searchable PDF not written: {}: {}", document["name"], type(e).__name__, e)
     return md, js

@@ -321,9 +321,11 @@ class Worker:
             run["earlier_runs"] = [_run_dict(r) for r in runs[:-1]]
         page_dicts = [{"index": p.page_index, "text": p.text, "boxes": p.boxes, "stats": p.stats, "run_id": p.run_id,
                        **({"note": p.stats["note"]} if p.stats.get("note") else {})} for p in pages]
+        # the scan under the searchable PDF: the archived original on a re-run, else the one still in place
+        scan = next((Path(q) for q in (doc.archived_path, doc.original_path) if q and Path(q).exists()), None)
         try:
             folder = output_folder(self.settings.outbox, doc.original_name, doc.sha256)
-            md, _ = write_document_outputs(folder, document, run, page_dicts)
+            md, _ = write_document_outputs(folder, document, run, page_dicts, source=scan)
         except OSError as e:  # a file in the way, disk full, access denied, a name or path the OS refuses
             return self._not_finished(doc, f"outputs could not be written: {e}")
         archived = None

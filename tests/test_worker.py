@@ -14,6 +14,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+import pymupdf
 import pytest
 import torch
 from PIL import Image
@@ -63,6 +64,8 @@ def test_uflash_run_end_to_end(tmp_path, tiny_model_dir):
             assert isinstance(p["text"], str) and isinstance(p["boxes"], list)
         assert doc["run"]["mode"] == "lossless" and doc["document"]["page_count"] == n  # the default mode
         assert (out / "document.md").read_text(encoding="utf-8").count("<!-- page ") == n
+        with pymupdf.open(out / "document.pdf") as searchable:  # the scan with the text over it, page for page
+            assert searchable.page_count == n
     assert not any(s.inbox.iterdir()), "originals must leave the inbox"
     assert sorted(p.name for p in s.archive.iterdir()) == ["one.pdf", "photo.png", "scan.tif", "seven.pdf"]
     assert "seven.pdf: 7 pages" in r.stdout
