@@ -86,12 +86,16 @@ class SpeculativeDecoder:
     block_sits_out: True (default): the block drafter sits out rounds after a wholly rejected draft, as
     `DraftPolicy` benches any drafter; False: it drafts every round (14% fewer forwards on hard CPU pages but no
     faster there, where a draft costs ~0.45 of a plain step; to be measured on a GPU).
+    block_full_k: False (default): after a miss the block drafter's K falls to just past what was accepted, as
+    for every drafter; True: it always drafts its whole block (`DraftPolicy` ``keeps_k``). On the CPU a wider verify
+    costs more (3.7% fewer forwards, slower: session 13); on the H200 a width-9 verify costs 1.11 ms against 0.96 at
+    width 4, and the offline policy replay (`scripts/simulate_policy.py`) puts it ahead there; to be measured.
     """
 
     def __init__(self, loaded: LoadedModel, mode: str = "lossless", k_max: int = 16,
                  drafters: tuple[str, ...] = DRAFTERS, fast_threshold: float = DEFAULT_FAST_THRESHOLD,
                  block_net: BlockDrafterNet | None = None, block_beside_copies: bool = False, block_sits_out: bool = True,
-                 replay_k_max: int = 64):
+                 replay_k_max: int = 64, block_full_k: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         unknown = set(drafters) - set(DRAFTERS)
@@ -105,6 +109,7 @@ class SpeculativeDecoder:
         self.block_net = block_net
         self.block_beside_copies = block_beside_copies
         self.block_sits_out = block_sits_out
+        self.block_full_k = block_full_k
         if block_net is not None and block_net.config.target_hidden != loaded.model.config.text_config.hidden_size:
             raise ValueError(f"the block drafter was made for hidden size {block_net.config.target_hidden}, the "
                              f"model has {loaded.model.config.text_config.hidden_size}")
@@ -207,7 +212,7 @@ class SpeculativeDecoder:
             elif name == "block" and self.block_net is not None and (
                     self.block_beside_copies or not self._copy_source(reference_texts, replay_ids)):
                 block = self._block_drafter()
-                block.sits_out = self.block_sits_out  # read by DraftPolicy
+                block.sits_out, block.keeps_k = self.block_sits_out, self.block_full_k  # read by DraftPolicy
                 drafters.append(block)
         return drafters
 

@@ -4,14 +4,14 @@
 # variant, logs). Prepare here first (the tree travels with a 64 MiB limit):
 #
 #   bash scripts/device_bundle.sh && mv models/demo /tmp/demo_hold
-#   run: "STAGES=variants bash scripts/device_issue7.sh", carry [".dev"]      (~6 minutes)
+#   run: "STAGES=variants bash scripts/device_issue7.sh", carry [".dev"]      (~6-7 minutes)
 #   run: "STAGES='profile tests' bash scripts/device_issue7.sh", carry [".dev"]
 #   then here: mv /tmp/demo_hold models/demo
 #
 # VARIANTS (env, ';'-separated train_drafter.py flag sets) overrides the list below; DRAFTER=<folder in the tree>
 # checks another drafter than models/demo/drafter (e.g. one made by a CPU fine-tune, carried beside .dev);
 # EVAL_PAGES (default 30) sets the held-out pages of each live check; STAGES (default "variants profile tests")
-# picks what runs (the five default variants alone take ~5-6 minutes: one call for them, one for the rest).
+# picks what runs (the six default variants alone take ~6-7 minutes: one call for them, one for the rest).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -19,7 +19,7 @@ mkdir -p /tmp/site models/demo "$OUT/r"
 tar -xJf .dev/site.tar.xz -C /tmp/site && tar -xJf .dev/demo.tar.xz -C models/demo || exit 2
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/r/gpu.txt"
-VARIANTS=${VARIANTS:-"; --draft-linear bmv; --compile-draft; --compile-draft --draft-linear bmv; --attn matmul_t"}
+VARIANTS=${VARIANTS:-"; --compile-draft; --draft-linear bmv; --block-full-k --no-sit-out; --compile-draft --block-full-k --no-sit-out; --attn matmul_t"}
 STAGES=${STAGES:-"variants profile tests"}
 INIT=()
 [ -n "${DRAFTER:-}" ] && INIT=(--init "$DRAFTER")

@@ -16,17 +16,17 @@ from tqdm import tqdm
 
 def evaluate(loaded, net, chunks, max_new_tokens: int, k_max: int, moe: str = "auto", linear: str = "auto",
              attn: str = "auto", draft_linear: str = "torch", block_sits_out: bool = True,
-             compile_draft: bool = False, warmup: list | None = None) -> dict:
+             compile_draft: bool = False, warmup: list | None = None, block_full_k: bool = False) -> dict:
     """lossless with the block drafter alone vs plain on the same chunks (lists of page images), side by side
     (moe, linear, attn: the static step's, `engine.static_runner`; draft_linear: the drafter's static forward;
-    block_sits_out: see `engine.speculative.SpeculativeDecoder`; compile_draft: `engine.drafters.block_static`;
+    block_sits_out, block_full_k: see `engine.speculative.SpeculativeDecoder`; compile_draft: `engine.drafters.block_static`;
     warmup: chunks decoded by both sides before the timed ones)."""
     from engine.fast_decoder import FastDecoder
 
     plain = FastDecoder(loaded, mode="plain", moe=moe, linear=linear, attn=attn)
     spec = FastDecoder(loaded, mode="lossless", k_max=k_max, drafters=("block",), block_net=net, moe=moe,
                        linear=linear, attn=attn, draft_linear=draft_linear, block_sits_out=block_sits_out,
-                       compile_draft=compile_draft)
+                       compile_draft=compile_draft, block_full_k=block_full_k)
     warmup_s = {"plain": 0.0, "block": 0.0}
     for chunk in warmup or []:
         warmup_s["plain"] += plain.generate(chunk, max_new_tokens * len(chunk)).seconds
@@ -59,6 +59,7 @@ def evaluate(loaded, net, chunks, max_new_tokens: int, k_max: int, moe: str = "a
             "backend": b.extra["speculative"].get("backend", "eager"), "moe": b.extra["speculative"].get("moe"),
             "linear": b.extra["speculative"].get("linear"), "attn": b.extra["speculative"].get("attn"),
             "draft_linear": b.extra["speculative"].get("draft_linear"), "block_sits_out": block_sits_out,
+            "block_full_k": block_full_k,
             "draft_compiled": b.extra["speculative"].get("draft_compiled"),
             "warmup_chunks": len(warmup or []), "warmup_s": {k: round(v, 2) for k, v in warmup_s.items()},
             "acceptance_by_position": mean_lists([r["by_position"] for r in rows]),

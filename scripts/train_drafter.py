@@ -291,7 +291,8 @@ def live_check(loaded, net: BlockDrafterNet, args) -> dict:
     warmup = [synthetic_pages(size, 849_000, args.workers)[0]] if args.eval_warmup else []
     return evaluate(loaded, net, chunked(held, size), args.max_new_tokens, k_max=args.eval_k_max or net.config.block,
                     moe=args.moe, linear=args.linear, attn=args.attn, draft_linear=args.draft_linear,
-                    block_sits_out=not args.no_sit_out, compile_draft=args.compile_draft, warmup=warmup)
+                    block_sits_out=not args.no_sit_out, compile_draft=args.compile_draft, warmup=warmup,
+                    block_full_k=args.block_full_k)
 
 
 def decoded_heldout(loaded, net: BlockDrafterNet, args) -> dict:
@@ -363,6 +364,8 @@ def main(argv=None) -> int:
                     help="live check: torch.compile the static drafter's forward (engine/drafters/block_static.py)")
     ap.add_argument("--eval-warmup", action=argparse.BooleanOptionalAction, default=True,
                     help="live check: both sides decode one chunk of other pages first, untimed (capture, compile)")
+    ap.add_argument("--block-full-k", action="store_true",
+                    help="live check: the block drafter always drafts its whole block (no K cut after a miss)")
     ap.add_argument("--no-sit-out", action="store_true",
                     help="live check: the block drafter drafts every round, even after a wholly rejected draft")
     ap.add_argument("--json", help="also write the record here")

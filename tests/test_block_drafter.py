@@ -90,6 +90,14 @@ def test_lossless_with_the_block_drafter_is_token_identical_and_fed_the_rswa_fea
     benched = alone.generate(pages, LENGTH).extra["speculative"]["single_steps"]  # a random net misses: benched
     assert res.output_ids == official and res.extra["speculative"]["single_steps"] <= 1 < benched  # 1: no room left
     assert eager.last_drafters[0].sits_out is False and alone._drafters(kind, None, None)[0].sits_out is True
+    full = Recording(tiny, mode="lossless", k_max=6, drafters=("block",), block_net=net, block_sits_out=False,
+                     block_full_k=True)
+    res = full.generate(pages, LENGTH)  # every draft as long as the block (or the room left), misses or not
+    by_position = res.extra["speculative"]["drafters"]["block"]["acceptance_by_position"]
+    stats = res.extra["speculative"]
+    assert res.output_ids == official and full.last_drafters[0].keeps_k is True and len(by_position) == 6
+    cut = eager.generate(pages, LENGTH).extra["speculative"]  # K cut after a miss (a random net misses)
+    assert stats["draft_tokens"] / stats["verify_rounds"] > 5 > 2 * cut["draft_tokens"] / cut["verify_rounds"]
 
 
 @pytest.mark.parametrize("memory", [False, True])
@@ -388,3 +396,27 @@ def test_train_drafter_decodes_with_the_init_drafter_and_live_checks_after_a_war
     ev = record["eval"]
     assert ev["identical"] == ev["chunks"] == 2 and ev["warmup_chunks"] == 1 and ev["warmup_s"]["block"] > 0
     assert ev["draft_compiled"] is None  # the eager engine on the CPU: no static drafter
+
+
+@pytest.mark.parametrize("sits_out,full_k", [(True, False), (False, False), (True, True)])
+def test_the_offline_policy_replay_counts_the_rounds_the_engine_runs(tiny, sits_out, full_k):
+    """scripts/simulate_policy.py replays the block drafter's policy on teacher features: a partly trained drafter
+    (hits and misses) gives the engine's own rounds, single steps and tau."""
+    from scripts.simulate_policy import simulate
+    from scripts.train_drafter import train
+
+    pages = [text_page(i) for i in range(2)]
+    official = official_generate(tiny, pages, "multi", LENGTH).output_ids
+    net = _net(tiny, context=16, block=6, memory=True)
+    seq = teacher_features(tiny, pages, official, net.config.layers)
+    torch.manual_seed(0)
+    train(net.requires_grad_(True), tiny, [seq], steps=160, seconds=None, batch=32, lr=3e-3, seed=0, anchors=16)
+    net.requires_grad_(False).eval()
+    dec = SpeculativeDecoder(tiny, mode="lossless", k_max=6, drafters=("block",), block_net=net,
+                             block_sits_out=sits_out, block_full_k=full_k)
+    live = dec.generate(pages, LENGTH).extra["speculative"]
+    model = tiny.model
+    sim = simulate(net, [seq], model.get_input_embeddings(), model.lm_head, tiny.eos_token_id, sits_out, full_k)
+    assert 0.3 < live["tau"] < 5 and (live["single_steps"] > 0) == sits_out  # hits, misses, benched rounds
+    assert (sim["rounds"], sim["singles"], sim["accepted"]) == (live["verify_rounds"], live["single_steps"],
+                                                                 live["accepted_tokens"])

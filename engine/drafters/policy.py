@@ -3,7 +3,9 @@
 - Every active drafter proposes up to its own K (capped by the room left); the longest proposal wins
   (the first drafter in order on ties).
 - After a round the winner's K becomes ``min(cap, 2 * (accepted + 1))``: it doubles while drafts are
-  fully accepted and shrinks to just past what was accepted otherwise. ``cap`` is ``k_max``, or the drafter's
+  fully accepted and shrinks to just past what was accepted otherwise; a drafter that declares ``keeps_k = True``
+  keeps its cap (the block drafter on a GPU, where its draft costs the same at any K and a width-9 verify little
+  more than a width-3 one). ``cap`` is ``k_max``, or the drafter's
   own entry in ``caps`` (e.g. a longer one for the replay drafter of a re-run, whose drafts are nearly always
   right); a drafter starts at its cap.
 - A drafter that declares ``max_draft`` (the longest draft it can make, e.g. the block drafter's block) is not
@@ -53,6 +55,7 @@ class DraftPolicy:
         self._sit_out = {d.name: 0 for d in self.drafters}
         self._backoff = {d.name: 1 for d in self.drafters}
         self._benched = {d.name: getattr(d, "sits_out", True) for d in self.drafters}
+        self._keeps_k = {d.name: getattr(d, "keeps_k", False) for d in self.drafters}
 
     def propose(self, committed_ids: list[int], room: int) -> tuple[str | None, list[int]]:
         """(drafter name, draft of at most ``room`` tokens); (None, []) when nobody has a draft."""
@@ -80,7 +83,7 @@ class DraftPolicy:
         for j in range(proposed):
             stats.proposed_at[j] += 1
             stats.accepted_at[j] += j < accepted
-        self.k[name] = min(self.cap[name], 2 * (accepted + 1))
+        self.k[name] = self.cap[name] if self._keeps_k[name] else min(self.cap[name], 2 * (accepted + 1))
         if accepted == 0 and self._benched[name]:
             self._sit_out[name] = self._backoff[name]
             self._backoff[name] = min(MAX_BACKOFF, 2 * self._backoff[name])
