@@ -46,6 +46,7 @@ def test_exif_orientation_is_honoured(tmp_path, orientation, size):
 def test_page_markdown_strips_grounding():
     t = "<|det|>title [1, 2, 3, 4]<|/det|># Title\n<|det|>text [5, 6, 7, 8]<|/det|>Body <td>a</td><td>b</td>"
     assert page_markdown(t) == "# Title\nBody  | a | b"
+    assert page_markdown("Hello world\n<|det|>text [5, 6, 7") == "Hello world"  # output cut inside a header
 
 
 @pytest.mark.skipif(not SAMPLES.is_dir(), reason="../shared/samples/real not present")
