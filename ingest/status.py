@@ -1,7 +1,10 @@
-"""What the ledger holds: counts by state and the failures with their reasons."""
+"""What the ledger holds: counts by state, who holds the running chunks (and until when), and the failures with
+their reasons."""
 
 from __future__ import annotations
 
+import time
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import func, select
@@ -24,6 +27,10 @@ def collect_status(db: Database, limit: int = 20) -> dict[str, Any]:
         rejected = s.execute(
             select(Rejected.name, Rejected.reason, Rejected.moved_to).order_by(Rejected.id.desc()).limit(limit)
         ).all()
+        leases = s.execute(
+            select(Chunk.lease_owner, func.count(), func.max(Chunk.lease_expires_at))
+            .where(Chunk.status == "running").group_by(Chunk.lease_owner).order_by(Chunk.lease_owner)
+        ).all()
         retrying = s.execute(
             select(Chunk.id, Chunk.document_id, Chunk.first_page, Chunk.last_page, Chunk.attempts, Chunk.last_error)
             .where(Chunk.status == "queued", Chunk.last_error.is_not(None)).order_by(Chunk.id).limit(limit)
@@ -36,6 +43,7 @@ def collect_status(db: Database, limit: int = 20) -> dict[str, Any]:
         "rejected": n_rej,
         "failed_documents": [{"id": i, "name": n, "error": e} for i, n, e in failed_docs],
         "rejected_files": [{"name": n, "reason": r, "moved_to": m} for n, r, m in rejected],
+        "leases": [{"owner": o, "chunks": n, "until": u} for o, n, u in leases],
         "retrying_chunks": [
             {"id": i, "document_id": d, "pages": f"{a}-{b}", "attempts": t, "last_error": e}
             for i, d, a, b, t, e in retrying
@@ -52,6 +60,11 @@ def format_status(st: dict[str, Any]) -> str:
         f"chunks:    {st['chunks']['total']} ({counts(st['chunks'])})",
         f"duplicates: {st['duplicates']}   rejected files: {st['rejected']}",
     ]
+    now = time.time()
+    for lease in st["leases"]:
+        until = datetime.fromtimestamp(lease["until"]).strftime("%Y-%m-%d %H:%M:%S") if lease["until"] else "?"
+        dead = " (expired: its worker stopped; the next worker takes it over)" if (lease["until"] or 0) < now else ""
+        lines.append(f"running:   {lease['chunks']} chunk(s) leased by {lease['owner']} until {until}{dead}")
     if st["failed_documents"]:
         lines.append("failed documents:")
         lines += [f"  #{d['id']} {d['name']}: {d['error']}" for d in st["failed_documents"]]

@@ -183,3 +183,18 @@ def test_claim_limited_to_some_documents_leaves_the_others_queued(any_db):
     w = claim(db, "watch", 60, 3)
     assert w is not None and (w.document_id, w.first_page) == (backlog, 1)
     assert claim(db, "run", 60, 3, document_ids=list(range(100_000, 140_000)) + [backlog]).document_id == backlog
+
+
+def test_status_names_who_holds_the_running_chunks_and_flags_expired_leases(tmp_path):
+    from ingest.status import collect_status, format_status
+
+    db = Database(f"sqlite:///{tmp_path / 'q.db'}")
+    add_document(db, 3)
+    now = time.time()
+    assert claim(db, "host:111", lease_seconds=300, max_attempts=3, now=now)
+    assert claim(db, "host:222", lease_seconds=10, max_attempts=3, now=now - 100)  # its worker died long ago
+    text = format_status(collect_status(db))
+    (alive,) = [line for line in text.splitlines() if "host:111" in line]
+    (dead,) = [line for line in text.splitlines() if "host:222" in line]
+    assert "1 chunk(s) leased by host:111 until" in alive and "expired" not in alive
+    assert "expired" in dead
