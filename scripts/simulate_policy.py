@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from engine.drafters.block import BlockDrafterNet, drafter_folder  # noqa: E402
+from engine.drafters.block import BlockDrafterNet, PageMemory, drafter_folder  # noqa: E402
 from engine.drafters.block_teacher import TeacherSequence, make_examples  # noqa: E402
 
 MAX_BACKOFF = 16  # engine.drafters.policy
@@ -53,12 +53,12 @@ def simulate(net: BlockDrafterNet, seqs: list[TeacherSequence], embed, head, eos
     widths: dict[int, int] = {}
     by_position = torch.zeros(c.block)
     proposed = torch.zeros(c.block)
-    memory_all = None
-    if c.memory:
-        prompts = [s.features[: s.prompt_len] for s in seqs]
-        memory_all = (torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True).to(dtype),
-                      [p.shape[0] for p in prompts])
     with torch.no_grad():
+        memory_all = None  # every sequence's page memory, projected once; each forward picks its rows by index
+        if c.memory:
+            prompts = [s.features[: s.prompt_len] for s in seqs]
+            memory_all = net.encode_memory(torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True).to(dtype),
+                                           [p.shape[0] for p in prompts])
         while True:
             ask = []
             for i, (s, st) in enumerate(zip(seqs, state)):
@@ -77,7 +77,7 @@ def simulate(net: BlockDrafterNet, seqs: list[TeacherSequence], embed, head, eos
             feats, last, targets = make_examples(seqs, [(i, state[i]["t"]) for i in ask], c.context, c.block, embed)
             memory = None
             if memory_all is not None:
-                memory = net.encode_memory(memory_all[0], memory_all[1], torch.tensor(ask))
+                memory = PageMemory(memory_all.kv, memory_all.allowed, torch.tensor(ask, device=feats.device))
             drafts = net(feats.to(dtype), last.to(dtype), head, memory).argmax(-1).tolist()
             targets = targets.tolist()
             for row, i in enumerate(ask):
