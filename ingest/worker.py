@@ -42,7 +42,8 @@ from engine.model import ModelLoadError, ModelNotFound
 from engine.quality import grade_document, page_quality
 from ingest.config import Settings
 from ingest.errors import UflashError
-from ingest.files import file_away
+from ingest.files import file_away, sha256_file
+from ingest.intake import intake_file
 from ingest.outputs import output_folder, page_markdown, write_document_outputs
 from ingest.render import render_pages
 
@@ -163,6 +164,8 @@ class Worker:
             fail(self.db, c, f"original file is gone: {path}", w.max_attempts, w.backoff_seconds, permanent=True)
             logger.error("{}: original file is gone ({})", label, path)
             return
+        if path == Path(doc.original_path) and not self._still_the_original(c, doc, path, label):
+            return
         try:
             pages = render_pages(path, doc.kind, c.first_page, c.last_page,
                                  max_page_pixels=self.settings.watch.max_page_pixels)
@@ -186,6 +189,27 @@ class Worker:
             logger.warning("{}: lease lost while decoding; dropping the result", label)
             return
         self._store(c, run_id, pages, out, label)
+
+    def _still_the_original(self, c: Claim, doc: Document, path: Path, label: str) -> bool:
+        """The file waiting at ``path`` is still the content the document was queued with. A file touched in place
+        (same content) is; one replaced by other content under the same name is not: then the chunk fails with
+        that reason (decoding it would give the new pages under the old document's name and checksum) and the
+        new content is taken as a document of its own."""
+        st = path.stat()
+        if (st.st_size, st.st_mtime_ns) == (doc.size_bytes, doc.mtime_ns):
+            return True
+        sha = sha256_file(path)
+        if sha == doc.sha256:
+            with self.db.engine.begin() as conn:
+                conn.execute(update(Document.__table__).where(Document.id == doc.id).values(
+                    size_bytes=st.st_size, mtime_ns=st.st_mtime_ns))
+            return True
+        why = (f"the file at {path} was replaced by other content (sha256 {sha[:12]}...) before this document "
+               f"(sha256 {doc.sha256[:12]}...) was decoded; that content is queued as a document of its own")
+        fail(self.db, c, why, self.settings.worker.max_attempts, self.settings.worker.backoff_seconds, permanent=True)
+        logger.error("{}: {}", label, why)
+        intake_file(self.db, self.settings, path)
+        return False
 
     def _replay_ids(self, c: Claim) -> list[int] | None:
         """Token ids of an earlier decode of exactly these pages (a re-run's free draft), if any."""

@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 from sqlalchemy import func, select
 
-from db.models import Chunk, ChunkStatus, Document, Duplicate, Page, Run
+from db.models import Chunk, ChunkStatus, DocStatus, Document, Duplicate, Page, Run
 from db.session import Database
 from engine.chunk_decode import OfficialDecoder, assemble
 from engine.model import load_model
@@ -533,3 +533,36 @@ def test_each_watch_process_is_its_own_run_closed_on_sigterm_and_sigint(tmp_path
         ids = dict(ss.execute(select(Document.original_name, Document.id)).all())
     assert pages_of_run(db, first.id) == [(ids["first.pdf"], 1), (ids["first.pdf"], 2)]
     assert pages_of_run(db, second.id) == [(ids["second.pdf"], 1), (ids["second.pdf"], 2)]
+
+
+def test_a_queued_file_replaced_under_the_same_name_is_not_decoded_as_the_old_document(tmp_path, tiny_model_dir):
+    """The inbox file of a queued document overwritten by another scan (same name) before it was decoded: the old
+    document fails with that reason (its content is gone) instead of getting the new pages under its name and
+    checksum, and the new content becomes a document of its own, decoded and archived."""
+    from ingest.intake import intake_file
+
+    cfg = worker_config(tmp_path, tiny_model_dir)
+    s = load_settings(cfg)
+    s.ensure_folders()
+    db = Database(s.database_url)
+    akte = make_pdf(s.inbox / "akte.pdf", ["The first scan."])
+    old = intake_file(db, s, akte)
+    touched = akte.stat()
+    os.utime(akte, ns=(touched.st_atime_ns, touched.st_mtime_ns + 10**9))  # touched in place: still the same file
+    replacement = make_pdf(tmp_path / "other.pdf", ["A different scan.", "With two pages."]).read_bytes()
+    r = uflash("--config", str(cfg), "run", timeout=600)  # no files: the inbox and the ledger's backlog
+    assert r.returncode == 0, r.stdout + r.stderr  # the touched file is decoded as its document
+    with db.session() as ss:
+        assert ss.get(Document, old.document_id).status == DocStatus.DONE
+    second = make_pdf(s.inbox / "akte2.pdf", ["Yet another scan."])
+    queued = intake_file(db, s, second)
+    second.write_bytes(replacement)  # overwritten before any worker ran
+    r = uflash("--config", str(cfg), "run", timeout=600)
+    assert r.returncode == 4, r.stdout + r.stderr  # one document failed
+    with db.session() as ss:
+        gone = ss.get(Document, queued.document_id)
+        new = ss.scalar(select(Document).where(Document.id > queued.document_id))
+    assert gone.status == DocStatus.FAILED and "replaced by other content" in gone.error
+    assert new is not None and new.status == DocStatus.DONE and new.page_count == 2
+    doc = json.loads((Path(new.output_dir) / "document.json").read_text(encoding="utf-8"))
+    assert doc["document"]["sha256"] == new.sha256 != gone.sha256 and len(doc["pages"]) == 2
