@@ -283,7 +283,9 @@ class Worker:
         status = ChunkStatus.SPLIT if new_chunks else ChunkStatus.DONE
         note = out.note
         if new_chunks:
-            note = (note + "; " if note else "") + "output reached the context limit; pages " + \
+            why = {"context_limit": "output reached the context limit; ",
+                   "length": "output reached engine.max_tokens_per_page x pages; "}.get(out.finish_reason, "")
+            note = (note + "; " if note else "") + why + "pages " + \
                 ", ".join(f"{a}-{b}" for a, b in new_chunks) + " re-queued"
         try:
             with self.db.engine.begin() as conn:

@@ -173,10 +173,26 @@ def test_context_limit_loses_no_page(tmp_path, tiny_model_dir):
         chunks = ss.scalars(select(Chunk).where(Chunk.document_id == doc)).all()
         d = ss.get(Document, doc)
     assert any(c.status == ChunkStatus.SPLIT for c in chunks)
+    assert all("output reached the context limit; pages" in c.note for c in chunks if c.status == ChunkStatus.SPLIT)
     assert all(c.status in (ChunkStatus.DONE, ChunkStatus.SPLIT) for c in chunks)
     assert d.status == "done"
     out = json.loads((Path(d.output_dir) / "document.json").read_text(encoding="utf-8"))
     assert [p["index"] for p in out["pages"]] == list(range(1, 7))
+
+
+def test_the_per_page_token_cap_is_named_as_such_when_it_cuts_a_chunk(tmp_path, tiny_model_dir):
+    cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_tokens_per_page": 12, "max_pages_per_chunk": 3,
+                                                          "default_tokens_per_page": 1})
+    s = load_settings(cfg)
+    s.ensure_folders()
+    db = Database(s.database_url)
+    doc = intake_file(db, s, make_pdf(s.inbox / "six.pdf", 6)).document_id
+    worker = Worker(s, db, lambda: OfficialDecoder(load_model(str(tiny_model_dir), "cpu", "float32")))
+    serve_until_done(worker, db)
+    assert [n for _, n in pages_in_db(db, doc)] == [1] * 6  # every page exactly once
+    with db.session() as ss:
+        notes = [c.note for c in ss.scalars(select(Chunk).where(Chunk.document_id == doc)) if c.status == "split"]
+    assert notes and all("output reached engine.max_tokens_per_page x pages; pages" in n for n in notes)
 
 
 class FlakyDecoder:
