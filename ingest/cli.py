@@ -18,7 +18,7 @@ from pathlib import Path
 from loguru import logger
 
 from ingest.config import Settings, load_settings
-from ingest.errors import ConfigError, UflashError
+from ingest.errors import ConfigError, UflashError, UsageError
 from ingest.logs import setup_logging
 
 MODES = ["official", "plain", "lossless", "fast"]
@@ -73,6 +73,22 @@ def _open_db(settings: Settings):  # noqa: ANN202
     from db.session import Database
 
     return Database(settings.database_url, settings.database.busy_timeout_ms)
+
+
+def _missing_ledger(settings: Settings) -> Path | None:
+    """The SQLite ledger file the settings name, when it does not exist: the commands that only read it must not
+    create an empty one (a status run from the wrong folder would report an empty ledger, and leave one behind)."""
+    url, prefix = settings.database_url, "sqlite:///"
+    if url.startswith(prefix) and ":memory:" not in url and not Path(url[len(prefix):]).exists():
+        return Path(url[len(prefix):])
+    return None
+
+
+def _open_existing_db(settings: Settings):  # noqa: ANN202
+    if (missing := _missing_ledger(settings)) is not None:
+        raise UsageError(f"no ledger at {missing}: nothing has been taken in with this configuration "
+                         "(--config or UFLASH_CONFIG names another)")
+    return _open_db(settings)
 
 
 def _stop_event() -> threading.Event:
@@ -160,7 +176,7 @@ def _write_report(settings: Settings, db, run_id: int | None = None) -> None:  #
 def cmd_report(settings: Settings, args: argparse.Namespace) -> int:
     from ingest.report import collect_report, format_report, report_json
 
-    db = _open_db(settings)
+    db = _open_existing_db(settings)
     rep = collect_report(db, args.run, args.grade)
     print(report_json(rep) if args.json else format_report(rep))
     if not args.no_html and rep["run"] is not None:
@@ -200,7 +216,7 @@ def cmd_rerun(settings: Settings, args: argparse.Namespace) -> int:
 def cmd_diff(settings: Settings, args: argparse.Namespace) -> int:
     from ingest.rerun import diff_runs, format_diff
 
-    d = diff_runs(_open_db(settings), args.run_a, args.run_b)
+    d = diff_runs(_open_existing_db(settings), args.run_a, args.run_b)
     print(json.dumps(d) if args.json else format_diff(d))
     return 0
 
@@ -208,8 +224,14 @@ def cmd_diff(settings: Settings, args: argparse.Namespace) -> int:
 def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
     from ingest.status import collect_status, format_status
 
-    st = collect_status(_open_db(settings), limit=args.limit)
-    print(json.dumps(st) if args.json else format_status(st))
+    from db.session import Database
+
+    missing = _missing_ledger(settings)
+    if missing is not None:
+        print(f"uflash: no ledger at {missing} yet: nothing taken in with this configuration", file=sys.stderr)
+    st = collect_status(Database("sqlite://") if missing else _open_db(settings), limit=args.limit)
+    st["ledger"] = settings.database_url
+    print(json.dumps(st) if args.json else f"ledger: {st['ledger']}\n" + format_status(st))
     return 0
 
 

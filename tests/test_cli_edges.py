@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from db.session import Database
 from ingest.config import load_settings
 from ingest.errors import ConfigError
 from ingest.files import write_atomic
@@ -64,6 +65,7 @@ def test_closed_output_pipe_exits_quietly(tmp_path, command):
     """`uflash report | head -1`: the reader is gone before uflash writes. A real pipe whose read end is closed
     (what head leaves behind, without the race): no traceback, the SIGPIPE exit status a shell reports."""
     cfg = write_config(tmp_path)
+    Database(load_settings(cfg).database_url).dispose()  # a ledger to read (an empty one)
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:

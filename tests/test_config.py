@@ -80,3 +80,13 @@ def test_status_json_on_empty_ledger(tmp_path):
     assert r.returncode == 0, r.stderr
     st = json.loads(r.stdout)
     assert st["documents"]["total"] == 0 and st["chunks"]["total"] == 0
+    assert "no ledger at" in r.stderr and st["ledger"].endswith("uflash.db")
+
+
+def test_reading_commands_never_create_a_ledger(tmp_path):
+    cfg = write_config(tmp_path)
+    db_file = Path(load_settings(cfg).database_url[len("sqlite:///"):])
+    assert uflash("--config", str(cfg), "status").returncode == 0
+    r = uflash("--config", str(cfg), "report")
+    assert r.returncode == 2 and "no ledger at" in r.stderr
+    assert not db_file.exists()
