@@ -92,11 +92,17 @@ def _open_existing_db(settings: Settings):  # noqa: ANN202
 
 
 def _stop_event() -> threading.Event:
-    """An event set by SIGTERM/SIGINT (and SIGBREAK on Windows), so loops finish their file and exit."""
+    """An event set by SIGTERM/SIGINT (and SIGBREAK on Windows), so loops finish their file and exit. A second
+    signal exits at once (130): the chunk in progress is not stored, and its lease lets the next worker redo it
+    (the crash path, tested with SIGKILL), so nothing is lost by not waiting for a long decode."""
     stop = threading.Event()
 
     def handler(signum, _frame):  # noqa: ANN001
-        logger.info("signal {} received: finishing the current step, then stopping", signum)
+        if stop.is_set():
+            logger.warning("signal {} again: stopping now; the chunk in progress is redone by the next worker", signum)
+            logger.remove()  # closes (flushes) the log file before the hard exit
+            os._exit(130)
+        logger.info("signal {} received: finishing the current step, then stopping (again: stop now)", signum)
         stop.set()
 
     for name in ("SIGTERM", "SIGINT", "SIGBREAK"):

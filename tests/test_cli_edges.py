@@ -76,3 +76,23 @@ def test_closed_output_pipe_exits_quietly(tmp_path, command):
     assert r.returncode == 141, r.stderr
     assert r.stderr == "", r.stderr
 
+
+
+def test_a_second_stop_signal_exits_at_once(monkeypatch):
+    """The first SIGINT/SIGTERM asks loops to finish their step; a second one exits with 130 at once (the chunk in
+    progress is redone by the next worker, as after a crash)."""
+    import signal as signals
+
+    from ingest import cli
+
+    handlers = {}
+    monkeypatch.setattr(cli.signal, "signal", lambda sig, handler: handlers.__setitem__(sig, handler))
+    exits = []
+    monkeypatch.setattr(cli.os, "_exit", exits.append)
+    monkeypatch.setattr(cli.logger, "remove", lambda *a: None)
+    stop = cli._stop_event()
+    handler = handlers[signals.SIGINT]
+    handler(signals.SIGINT, None)
+    assert stop.is_set() and exits == []
+    handler(signals.SIGINT, None)
+    assert exits == [130]
