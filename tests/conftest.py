@@ -118,3 +118,29 @@ def text_page(i: int):
     for line in range(8):
         draw.text((12, 12 + 48 * line + 5 * i), f"page {i} line {line} text {i * line}", fill="black")
     return image
+
+
+def serve_until(worker, until, timeout: float = 300) -> None:
+    """Run ``worker.serve`` until ``until()`` holds; fail the test if that takes longer than ``timeout``."""
+    import threading
+
+    stop = threading.Event()
+    timer = threading.Timer(timeout, stop.set)
+    timer.start()
+    try:
+        worker.serve(stop, until=until)
+    finally:
+        timer.cancel()
+    assert not stop.is_set(), "timed out"
+
+
+def probed_samples():
+    """(path, Probed) of every real sample file the intake accepts (../shared/samples/real)."""
+    from ingest.errors import InputRejected
+    from ingest.probe import probe_file
+
+    for path in sorted(SAMPLES.iterdir()):
+        try:
+            yield path, probe_file(path, 150_000_000)
+        except InputRejected:
+            continue

@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image
 from transformers import GenerationConfig
 from transformers.models.unlimited_ocr.generation_unlimited_ocr import (
     UnlimitedOcrSlidingWindowNoRepeatNgramLogitsProcessor as OfficialRule)

@@ -7,7 +7,6 @@ import shutil
 
 import pytest
 import torch
-from PIL import Image, ImageDraw
 
 from engine.model import LoadedModel, ModelLoadError, ModelNotFound, load_model
 from engine.official import (

@@ -15,7 +15,6 @@ from engine.quality import (Thresholds, distinct_n, edit_distance, finish_reason
                             looping, neighbour_ratio, normalized_edit_distance, page_quality)
 from engine.runner import RswaRunner
 from engine.speculative import SpeculativeDecoder
-from engine.tiny import build_tiny_model
 from engine.verify import verify_round
 from tests.conftest import text_page
 

@@ -4,7 +4,7 @@ from PIL import Image
 
 from ingest.outputs import page_markdown
 from ingest.render import render_pages
-from tests.conftest import SAMPLES, make_pdf
+from tests.conftest import SAMPLES, make_pdf, probed_samples
 
 
 def test_pdf_rotate_is_honoured_and_text_layer_kept(tmp_path):
@@ -51,15 +51,8 @@ def test_page_markdown_strips_grounding():
 
 @pytest.mark.skipif(not SAMPLES.is_dir(), reason="../shared/samples/real not present")
 def test_real_samples_render(tmp_path):
-    from ingest.errors import InputRejected
-    from ingest.probe import probe_file
-
     rendered = 0
-    for p in sorted(SAMPLES.iterdir()):
-        try:
-            pr = probe_file(p, 150_000_000)
-        except InputRejected:
-            continue
+    for p, pr in probed_samples():
         pages = render_pages(p, pr.kind, 1, pr.page_count)
         assert len(pages) == pr.page_count
         assert all(pg.image.mode == "RGB" and max(pg.image.size) <= 1024 for pg in pages)

@@ -23,7 +23,7 @@ from ingest.config import load_settings
 from ingest.intake import intake_file
 from ingest.report import collect_report, render_html
 from ingest.worker import Worker
-from tests.conftest import make_pdf, uflash, worker_config
+from tests.conftest import make_pdf, serve_until, uflash, worker_config
 
 PAGES = ["Register of deeds. Entry one, 1851.", "Entry two: a parish record.", "Entry three, the index."]
 
@@ -282,24 +282,14 @@ def test_report_of_a_run_covers_its_own_pages_only(tmp_path, tiny_model_dir):
     a, b, c = (intake_file(db, s, make_pdf(s.inbox / f"{n}.pdf", k)).document_id for n, k in (("a", 2), ("b", 1),
                                                                                                   ("c", 3)))
 
-    def serve(worker, until):
-        stop = threading.Event()
-        timer = threading.Timer(300, stop.set)
-        timer.start()
-        try:
-            worker.serve(stop, until=until)
-        finally:
-            timer.cancel()
-        assert not stop.is_set(), "timed out"
-
     def status(doc_id):
         with db.session() as ss:
             return ss.get(Document, doc_id).status
 
     crashed = Worker(s, db, lambda: OfficialDecoder(loaded), document_ids=frozenset({a}))
-    serve(crashed, lambda: status(a) == "done")  # never closed: as if killed
+    serve_until(crashed, lambda: status(a) == "done")  # never closed: as if killed
     second = Worker(s, db, lambda: OfficialDecoder(loaded), document_ids=frozenset({b}))
-    serve(second, lambda: status(b) == "done")
+    serve_until(second, lambda: status(b) == "done")
     run_a, run_b = crashed.run_id(), second.close_run()
     assert run_b != run_a and status(c) == "queued"
     with db.session() as ss:

@@ -5,7 +5,7 @@ import pytest
 from PIL import Image
 
 from ingest.searchable_pdf import write_searchable_pdf
-from tests.conftest import SAMPLES, make_pdf
+from tests.conftest import SAMPLES, make_pdf, probed_samples
 
 PAGE = {"index": 1, "text": "", "boxes": [
     {"label": "title", "box": [100, 50, 900, 120], "text": "Stadtrat Protokoll 1923"},
@@ -82,15 +82,8 @@ def test_multipage_tiff_with_exif_rotation(tmp_path):
 
 @pytest.mark.skipif(not SAMPLES.is_dir(), reason="../shared/samples/real not present")
 def test_real_samples_become_searchable_pdfs(tmp_path):
-    from ingest.errors import InputRejected
-    from ingest.probe import probe_file
-
     made = 0
-    for src in sorted(SAMPLES.iterdir()):
-        try:
-            probed = probe_file(src, 150_000_000)
-        except InputRejected:
-            continue
+    for src, probed in probed_samples():
         pages = [{"index": i, "text": "", "boxes": [{"label": "text", "box": [50, 50, 950, 150],
                                                     "text": f"probe word {i}"}]} for i in range(1, probed.page_count + 1)]
         out = write_searchable_pdf(tmp_path / f"{src.stem}.pdf", src, probed.kind, pages)

@@ -29,7 +29,7 @@ from ingest.config import load_settings
 from ingest.intake import intake_file
 from ingest.render import render_pages
 from ingest.worker import Worker
-from tests.conftest import ROOT, make_pdf, uflash, worker_config, write_config
+from tests.conftest import ROOT, make_pdf, serve_until, uflash, worker_config, write_config
 
 
 def make_tiff(path: Path, n: int, shade: int = 0) -> Path:
@@ -141,20 +141,12 @@ def test_assemble_keeps_complete_pages_at_the_limit():
 
 
 def serve_until_done(worker, db, timeout=300):
-    stop = threading.Event()
-
     def done():
         with db.session() as s:
             return s.scalar(select(func.count()).select_from(Document)
                             .where(Document.status.not_in(["done", "failed"]))) == 0
 
-    timer = threading.Timer(timeout, stop.set)
-    timer.start()
-    try:
-        worker.serve(stop, until=done)
-    finally:
-        timer.cancel()
-    assert not stop.is_set(), "timed out"
+    serve_until(worker, done, timeout)
 
 
 def test_context_limit_loses_no_page(tmp_path, tiny_model_dir):
@@ -265,7 +257,7 @@ def test_worker_killed_mid_chunk_redoes_it_once(tmp_path, tiny_model_dir):
                         worker={"lease_seconds": 3.0, "heartbeat_seconds": 1.0})
     s = load_settings(cfg)
     s.ensure_folders()
-    pdf = make_pdf(s.inbox / "four.pdf", 4)
+    make_pdf(s.inbox / "four.pdf", 4)
     proc = subprocess.Popen([sys.executable, "-m", "ingest.cli", "--config", str(cfg), "watch"], cwd=ROOT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
