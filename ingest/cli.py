@@ -63,6 +63,11 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("run_b", type=int, metavar="RUN_B")
     d.add_argument("--json", action="store_true", help="print one JSON object")
 
+    t = sub.add_parser("windows-task", help="write the Windows Task Scheduler XML that starts `uflash watch` at boot "
+                                            "(import: schtasks /Create /TN uflash /XML FILE)")
+    t.add_argument("--out", metavar="FILE", default="uflash-task.xml", help="where to write it")
+    t.add_argument("--user", help="run as this account (default: SYSTEM; a named one needs its password at import)")
+
     s = sub.add_parser("status", help="documents and chunks by state, failures and their reasons")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--limit", type=int, default=20, help="how many failures to list")
@@ -227,6 +232,18 @@ def cmd_diff(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_windows_task(settings: Settings, args: argparse.Namespace) -> int:
+    from ingest.config import _find_config
+    from ingest.windows_task import write_task_xml
+
+    config = _find_config(args.config)
+    if config is None:
+        raise UsageError("windows-task needs a config file for the task to start with: --config PATH")
+    out = write_task_xml(Path(args.out), config, user=args.user)
+    print(f"wrote {out}: import it with   schtasks /Create /TN uflash /XML \"{out.absolute()}\"")
+    return 0
+
+
 def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
     from ingest.status import collect_status, format_status
 
@@ -242,7 +259,7 @@ def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"watch": cmd_watch, "run": cmd_run, "status": cmd_status, "report": cmd_report, "rerun": cmd_rerun,
-            "diff": cmd_diff}
+            "diff": cmd_diff, "windows-task": cmd_windows_task}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(None, args.verbose, args.quiet)
     try:
         settings = load_settings(args.config)
-        if args.command not in ("status", "report", "diff"):
+        if args.command not in ("status", "report", "diff", "windows-task"):
             settings.ensure_folders("logs")
             setup_logging(settings.logs, args.verbose, args.quiet)
         code = COMMANDS[args.command](settings, args)

@@ -96,3 +96,30 @@ def test_a_second_stop_signal_exits_at_once(monkeypatch):
     assert stop.is_set() and exits == []
     handler(signals.SIGINT, None)
     assert exits == [130]
+
+
+def test_windows_task_xml_starts_watch_at_boot_without_a_time_limit(tmp_path):
+    """`uflash windows-task`: Task Scheduler XML (UTF-16, as schtasks /XML reads it) that starts this Python's
+    `watch` with this config at boot, never stops it after 3 days (the default of a task made by hand), restarts
+    it after a crash and keeps one instance."""
+    import xml.etree.ElementTree as ET
+
+    cfg = write_config(tmp_path)
+    out = tmp_path / "task.xml"
+    r = uflash("--config", str(cfg), "windows-task", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    raw = out.read_bytes()
+    assert raw[:2] in (b"\xff\xfe", b"\xfe\xff")  # UTF-16 with a byte-order mark
+    ns = {"t": "http://schemas.microsoft.com/windows/2004/02/mit/task"}
+    root = ET.fromstring(raw.decode("utf-16").split("?>", 1)[1])
+    assert root.find("t:Triggers/t:BootTrigger/t:Enabled", ns).text == "true"
+    assert root.find("t:Settings/t:ExecutionTimeLimit", ns).text == "PT0S"
+    assert root.find("t:Settings/t:MultipleInstancesPolicy", ns).text == "IgnoreNew"
+    assert int(root.find("t:Settings/t:RestartOnFailure/t:Count", ns).text) > 0
+    assert root.find("t:Principals/t:Principal/t:UserId", ns).text == "S-1-5-18"
+    exec_ = root.find("t:Actions/t:Exec", ns)
+    assert exec_.find("t:Command", ns).text == sys.executable
+    assert exec_.find("t:Arguments", ns).text == f'-m ingest.cli --config "{cfg.resolve()}" watch'
+    assert exec_.find("t:WorkingDirectory", ns).text == str(cfg.resolve().parent)
+    named = uflash("--config", str(cfg), "windows-task", "--out", str(out), "--user", "ARCHIV\\scanner")
+    assert named.returncode == 0 and "ARCHIV\\scanner</UserId>" in out.read_bytes().decode("utf-16")
