@@ -140,7 +140,16 @@ def cmd_watch(settings: Settings, args: argparse.Namespace) -> int:
         return 0
     intake = threading.Thread(target=watcher.run, args=(stop,), name="intake", daemon=True)
     intake.start()
-    worker = _make_worker(settings, db)  # this process's run: opened at its first chunk, closed when it stops
+    # a run per batch: opened at its first chunk, closed with its HTML report once the queue runs dry (and when
+    # the process stops), so a watcher that runs for weeks leaves one report per batch dropped into the inbox
+    worker = _make_worker(settings, db)
+
+    def batch_done() -> None:
+        if (run_id := worker.close_run()) is not None:
+            logger.info("queue empty: run {} closed", run_id)
+            _write_report(settings, db, run_id, log=True)
+
+    worker.on_idle = batch_done
     try:
         while not stop.is_set():
             try:
@@ -172,7 +181,7 @@ def cmd_run(settings: Settings, args: argparse.Namespace) -> int:
     return res.code
 
 
-def _write_report(settings: Settings, db, run_id: int | None = None) -> None:  # noqa: ANN001
+def _write_report(settings: Settings, db, run_id: int | None = None, log: bool = False) -> None:  # noqa: ANN001
     from ingest.report import write_html_report
 
     try:
@@ -180,7 +189,9 @@ def _write_report(settings: Settings, db, run_id: int | None = None) -> None:  #
     except Exception as e:  # the report is a by-product: never fail a finished run over it
         logger.warning("could not write the HTML report: {}", e)
         return
-    if path:
+    if path and log:
+        logger.info("report of run {}: {}", run_id, path)
+    elif path:
         print(f"report  {path}")
 
 

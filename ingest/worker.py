@@ -72,6 +72,7 @@ class Worker:
     on_pages: Callable[[int], None] | None = None  # progress callback: pages finished
     fresh_run: dict[str, Any] | None = None  # a re-run: its run records these settings; its own chunks only
     document_ids: frozenset[int] | None = None  # only these documents' chunks (uflash run FILE...); None: any
+    on_idle: Callable[[], None] | None = None  # called when no chunk can be claimed (after finalizing what is ready)
     _decoder: ChunkDecoder | None = None
     _run_id: int | None = None
     _waiting_on: frozenset[str] = frozenset()  # owners of the leases the last idle poll found (logged once)
@@ -122,6 +123,8 @@ class Worker:
             if c is None:
                 self._log_leased()
                 self.finalize_ready()
+                if self.on_idle is not None:
+                    self.on_idle()
                 stop.wait(w.poll_seconds)
                 continue
             self._waiting_on = frozenset()

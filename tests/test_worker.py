@@ -543,6 +543,52 @@ def test_each_watch_process_is_its_own_run_closed_on_sigterm_and_sigint(tmp_path
     assert pages_of_run(db, second.id) == [(ids["second.pdf"], 1), (ids["second.pdf"], 2)]
 
 
+def test_a_long_running_watch_closes_a_run_and_writes_its_report_each_time_the_queue_runs_dry(tmp_path,
+                                                                                              tiny_model_dir):
+    """One `uflash watch` process, two batches dropped one after the other: two runs, each closed when the queue
+    ran dry (the process still running), each with its own HTML report of its own pages."""
+    cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_tokens_per_page": 8}, worker={"poll_seconds": 0.5})
+    s = load_settings(cfg)
+    s.ensure_folders()
+    db = Database(s.database_url)
+    proc = start_full_watch(cfg)
+    try:
+        for n, name in enumerate(("evening", "morning"), start=1):
+            make_pdf(tmp_path / "drop" / f"{name}.pdf", 2).rename(s.inbox / f"{name}.pdf")
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and proc.poll() is None:
+                runs = runs_in_db(db)
+                if len(runs) == n and runs[-1].finished_at is not None:
+                    break
+                time.sleep(0.2)
+            assert proc.poll() is None, "".join(proc.lines)
+            run = runs_in_db(db)[-1]
+            assert run.finished_at is not None, "".join(proc.lines)
+            assert wait_for(lambda: (s.outbox / "reports" / f"run-{run.id}.html").exists(), 60)
+            html = (s.outbox / "reports" / f"run-{run.id}.html").read_text(encoding="utf-8")
+            assert f"{name}.pdf" in html and ("evening.pdf" not in html or name == "evening")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    first, second = runs_in_db(db)
+    with db.session() as ss:
+        ids = dict(ss.execute(select(Document.original_name, Document.id)).all())
+    assert pages_of_run(db, first.id) == [(ids["evening.pdf"], 1), (ids["evening.pdf"], 2)]
+    assert pages_of_run(db, second.id) == [(ids["morning.pdf"], 1), (ids["morning.pdf"], 2)]
+
+
+def wait_for(pred, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def test_a_queued_file_replaced_under_the_same_name_is_not_decoded_as_the_old_document(tmp_path, tiny_model_dir):
     """The inbox file of a queued document overwritten by another scan (same name) before it was decoded: the old
     document fails with that reason (its content is gone) instead of getting the new pages under its name and
