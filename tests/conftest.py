@@ -144,3 +144,15 @@ def probed_samples():
             yield path, probe_file(path, 150_000_000)
         except InputRejected:
             continue
+
+
+def wait_until(pred, timeout: float) -> bool:
+    """Poll ``pred()`` every 0.25 s until it holds (True) or ``timeout`` seconds pass (False)."""
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.25)
+    return False

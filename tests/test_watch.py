@@ -16,7 +16,7 @@ from db.models import Document, Duplicate, Rejected
 from db.session import Database
 from ingest.config import load_settings
 from tests.badfiles import make_bad_files
-from tests.conftest import ROOT, make_pdf, write_config
+from tests.conftest import ROOT, make_pdf, wait_until, write_config
 
 
 def start_watch(cfg):
@@ -37,15 +37,6 @@ def counts(db):
         return (s.scalar(select(func.count()).select_from(Document)),
                 s.scalar(select(func.count()).select_from(Duplicate)),
                 s.scalar(select(func.count()).select_from(Rejected)))
-
-
-def wait_until(pred, timeout):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.25)
-    return False
 
 
 def stop(proc):

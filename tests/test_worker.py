@@ -29,7 +29,7 @@ from ingest.config import load_settings
 from ingest.intake import intake_file
 from ingest.render import render_pages
 from ingest.worker import Worker
-from tests.conftest import ROOT, make_pdf, serve_until, uflash, worker_config, write_config
+from tests.conftest import ROOT, make_pdf, serve_until, uflash, wait_until, worker_config, write_config
 
 
 def make_tiff(path: Path, n: int, shade: int = 0) -> Path:
@@ -564,7 +564,7 @@ def test_a_long_running_watch_closes_a_run_and_writes_its_report_each_time_the_q
             assert proc.poll() is None, "".join(proc.lines)
             run = runs_in_db(db)[-1]
             assert run.finished_at is not None, "".join(proc.lines)
-            assert wait_for(lambda: (s.outbox / "reports" / f"run-{run.id}.html").exists(), 60)
+            assert wait_until(lambda: (s.outbox / "reports" / f"run-{run.id}.html").exists(), 60)
             html = (s.outbox / "reports" / f"run-{run.id}.html").read_text(encoding="utf-8")
             assert f"{name}.pdf" in html and ("evening.pdf" not in html or name == "evening")
         proc.send_signal(signal.SIGTERM)
@@ -578,15 +578,6 @@ def test_a_long_running_watch_closes_a_run_and_writes_its_report_each_time_the_q
         ids = dict(ss.execute(select(Document.original_name, Document.id)).all())
     assert pages_of_run(db, first.id) == [(ids["evening.pdf"], 1), (ids["evening.pdf"], 2)]
     assert pages_of_run(db, second.id) == [(ids["morning.pdf"], 1), (ids["morning.pdf"], 2)]
-
-
-def wait_for(pred, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.2)
-    return False
 
 
 def test_a_queued_file_replaced_under_the_same_name_is_not_decoded_as_the_old_document(tmp_path, tiny_model_dir):
