@@ -54,8 +54,8 @@ class FastDecoder(SpeculativeDecoder):
     def __init__(self, loaded: LoadedModel, mode: str = "lossless", k_max: int = 16,
                  drafters: tuple[str, ...] = DRAFTERS, backend: str = "auto", moe: str = "auto",
                  drafter_factory: DrafterFactory | None = None, prefix_capacity: int = 0, attn: str = "auto",
-                 compile_step: bool = False, linear: str = "auto", draft_linear: str = "torch", compile_draft: bool = False,
-                 **engine_options):
+                 compile_step: bool = False, linear: str = "auto", draft_linear: str = "torch",
+                 compile_draft: bool = False, **engine_options):
         super().__init__(loaded, mode=mode, k_max=k_max, drafters=drafters, **engine_options)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")

@@ -3,9 +3,9 @@
 A file is taken only when its size and mtime have not changed for ``settle_seconds`` and it can be
 opened exclusively. One that still looks cut short then (a network copy that stalled longer than the settle
 time) stays in the inbox and is looked at again (every ``RECHECK_SECONDS`` at most) until
-``incomplete_grace_seconds`` after its last change. Every failure is contained to its file: the watcher logs it and goes on. Folders inside
-the inbox and hidden or temporary names are not taken; each is named once in the log, so nothing is ignored
-unseen.
+``incomplete_grace_seconds`` after its last change. Every failure is contained to its file: the watcher logs
+it and goes on. Folders inside the inbox and hidden or temporary names are not taken; each is named once in the
+log, so nothing is ignored unseen.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ def evaluate(loaded, net, chunks, max_new_tokens: int, k_max: int, moe: str = "a
              compile_draft: bool = False, warmup: list | None = None, block_full_k: bool = False) -> dict:
     """lossless with the block drafter alone vs plain on the same chunks (lists of page images), side by side
     (moe, linear, attn: the static step's, `engine.static_runner`; draft_linear: the drafter's static forward;
-    block_sits_out, block_full_k: see `engine.speculative.SpeculativeDecoder`; compile_draft: `engine.drafters.block_static`;
+    block_sits_out, block_full_k: see `engine.speculative.SpeculativeDecoder`;
+    compile_draft: `engine.drafters.block_static`;
     warmup: chunks decoded by both sides before the timed ones)."""
     from engine.fast_decoder import FastDecoder
 
