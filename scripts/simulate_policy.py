@@ -33,8 +33,8 @@ import torch  # noqa: E402
 
 from engine.drafters.block import BlockDrafterNet, PageMemory, drafter_folder  # noqa: E402
 from engine.drafters.block_teacher import TeacherSequence, make_examples  # noqa: E402
+from engine.drafters.policy import MAX_BACKOFF  # noqa: E402
 
-MAX_BACKOFF = 16  # engine.drafters.policy
 # session 12, H200, fp32 demo model, batched-GEMV projections + matmul attention
 # (docs/results/eval_drafter_demo_s12e_bmv_matmul_h200_2026-12-04.json)
 H200_COSTS = {"ms_step_by_width": {"1": 0.753, "2": 0.923, "4": 0.964, "8": 1.115, "9": 1.108}, "ms_draft": 0.423}
@@ -141,16 +141,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from engine.model import load_model
-    from scripts.train_drafter import build_teacher, chunk_groups, decode_plain, synthetic_pages
+    from scripts.train_drafter import decoded_heldout_seqs
 
     loaded = load_model(args.model, args.device, args.dtype)
     folder = Path(args.drafter) if args.drafter else drafter_folder(args.model)
     net = BlockDrafterNet.load(folder, loaded.device, loaded.dtype)
     costs = H200_COSTS if not args.costs else json.loads(Path(args.costs).read_text())["eval"]
-    pages, _ = synthetic_pages(args.pages, 820_000)
-    chunks = [[pages[i] for i in g] for g in chunk_groups(args.pages, args.multi_frac, args.multi_pages, args.seed)]
-    outputs = decode_plain(loaded, chunks, args.max_new_tokens, "decoding held-out pages (lossless)", net)
-    seqs = build_teacher(loaded, chunks, outputs, list(net.config.layers))
+    seqs, chunks = decoded_heldout_seqs(loaded, net, args.pages, args.multi_frac, args.multi_pages, args.seed,
+                                        args.max_new_tokens)
     model = loaded.model
     rows = {}
     for name in args.policies.split(","):

@@ -300,12 +300,20 @@ def decoded_heldout(loaded, net: BlockDrafterNet, args) -> dict:
     (`lossless` with ``net``: the target's own tokens), not on their labels: label data never shows the drafter
     the target's own mistakes in its context."""
     n = args.decoded_heldout_pages
-    pages, _ = synthetic_pages(n, 820_000, args.workers)
-    chunks = [[pages[i] for i in g] for g in chunk_groups(n, args.multi_frac, args.multi_pages, args.seed)]
-    outputs = decode_plain(loaded, chunks, args.max_new_tokens, "decoding held-out pages (lossless)", net)
-    seqs = build_teacher(loaded, chunks, outputs, list(net.config.layers))
+    seqs, chunks = decoded_heldout_seqs(loaded, net, n, args.multi_frac, args.multi_pages, args.seed,
+                                        args.max_new_tokens, args.workers)
     return {"pages": n, "chunks": len(chunks), "tokens": sum(len(s.output_ids) for s in seqs),
             **proxy_eval(net, loaded, seqs, max_examples=8192)}
+
+
+def decoded_heldout_seqs(loaded, net: BlockDrafterNet, n: int, multi_frac: float, multi_pages: int, seed: int,
+                         max_new_tokens: int, workers: int = 0) -> tuple[list, list]:
+    """(teacher sequences, chunks) of n held-out pages (seeds 820,000 ..) chunked as ``chunk_groups`` says and
+    decoded by the target (`lossless` with ``net``: its own greedy tokens)."""
+    pages, _ = synthetic_pages(n, 820_000, workers)
+    chunks = [[pages[i] for i in g] for g in chunk_groups(n, multi_frac, multi_pages, seed)]
+    outputs = decode_plain(loaded, chunks, max_new_tokens, "decoding held-out pages (lossless)", net)
+    return build_teacher(loaded, chunks, outputs, list(net.config.layers)), chunks
 
 
 def main(argv=None) -> int:
