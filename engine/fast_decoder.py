@@ -14,7 +14,11 @@ A round is the eager engine's (`engine.verify`) with the argmax taken on the dev
 k + 1 greedy choices in one copy and asks for a full logits row only when the no-repeat-ngram rule bans
 the argmax of that row (then the row's greedy choice after the bans is computed as `greedy_token` does).
 In ``fast`` mode the same copy carries each draft token's logit, so the relaxed rule (`engine.verify`) costs no
-extra sync. Extra stats: backend, moe, linear, attn, graphs (number captured), capture_s (inside prefill_s).
+extra sync. The block drafter's draft never visits the host before its verify (``device_drafts``): the step
+copies it into its static input on the device and the same copy brings the drafted ids back, so the host launches
+draft and verify back to back and waits once a round (then ``draft_s`` is the draft's launch only; its GPU time
+lands in ``verify_s``). Extra stats: backend, moe, linear, attn, graphs (number captured), capture_s (inside
+prefill_s), device_drafts.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 from loguru import logger
 
 from engine.cuda_graphs import GraphCaptureError, StepGraphs, cuda_graphs_available
-from engine.drafters import Drafter
+from engine.drafters import DeviceDraft, Drafter
 from engine.drafters.block_static import StaticBlockDrafter
 from engine.drafters.policy import DraftPolicy
 from engine.model import LoadedModel
@@ -46,7 +50,9 @@ class FastDecoder(SpeculativeDecoder):
     the step before the graphs capture it (fewer, fused kernels; `engine.static_runner`); linear: how the step
     writes its projections (``auto``, ``torch`` or ``bmv``, `engine.static_runner`); draft_linear: the same for the
     block drafter's static forward (``torch`` or ``bmv``, `engine.drafters.block_static`); compile_draft:
-    ``torch.compile`` that forward before its graph captures it (`engine.drafters.block_static`).
+    ``torch.compile`` that forward before its graph captures it (`engine.drafters.block_static`); device_drafts:
+    the block drafter's drafts stay on the device for the verify step to read (one host sync a round; False: the
+    host reads each draft first, two syncs, as before session 15).
     drafter_factory: (prompt kind, reference_texts, replay_ids) -> drafters, replacing the named ones
     (benchmarks use it to feed drafts of a controlled quality). prefix_capacity: see StaticRswaRunner.
     engine_options: passed on to SpeculativeDecoder (e.g. fast_threshold for mode ``fast``)."""
@@ -55,7 +61,7 @@ class FastDecoder(SpeculativeDecoder):
                  drafters: tuple[str, ...] = DRAFTERS, backend: str = "auto", moe: str = "auto",
                  drafter_factory: DrafterFactory | None = None, prefix_capacity: int = 0, attn: str = "auto",
                  compile_step: bool = False, linear: str = "auto", draft_linear: str = "torch",
-                 compile_draft: bool = False, **engine_options):
+                 compile_draft: bool = False, device_drafts: bool = True, **engine_options):
         super().__init__(loaded, mode=mode, k_max=k_max, drafters=drafters, **engine_options)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
@@ -85,7 +91,7 @@ class FastDecoder(SpeculativeDecoder):
                 model = loaded.model
                 self.static_block = StaticBlockDrafter(self.block_net, model.get_input_embeddings(), model.lm_head,
                                                        graphs=backend == "graphs", linear=draft_linear,
-                                                       compile=compile_draft)
+                                                       compile=compile_draft, device_drafts=device_drafts)
         if backend == "graphs":
             try:
                 self.static.graphs = StepGraphs(self.static.body, loaded.device)
@@ -166,6 +172,7 @@ class FastDecoder(SpeculativeDecoder):
                  "linear": runner.linear, "graphs": len(runner.graphs or ()),
                  "draft_linear": self.static_block.linear if self.static_block else None,
                  "draft_compiled": self.static_block.compiled if self.static_block else None,
+                 "device_drafts": self.static_block.device_drafts if self.static_block else None,
                  "graphs_captured_now": captured, "capture_s": round(capture_s, 4), "compiled": runner.compiled,
                  **({"compile_error": runner.compile_error} if runner.compile_error else {})}
         text = decode_text(loaded, output) if loaded.tokenizer is not None else ""
@@ -175,20 +182,25 @@ class FastDecoder(SpeculativeDecoder):
                             extra={"speculative": stats}, logprobs=logprobs)
 
 
-def verify_static(runner: StaticRswaRunner, rule: NoRepeatNgramRule, last_token: int, draft: list[int],
-                  eos_token_id: int, fast_threshold: float | None = None,
+def verify_static(runner: StaticRswaRunner, rule: NoRepeatNgramRule, last_token: int,
+                  draft: list[int] | DeviceDraft, eos_token_id: int, fast_threshold: float | None = None,
                   strict_ids: frozenset[int] | set[int] = frozenset()) -> tuple[list[int], list[float], int]:
     """`engine.verify.verify_round` on the static runner: emitted tokens d1..da + the target's own, EOS-truncated,
     their log-probabilities (log-softmax of the fp32 logits before the bans, as the eager engine records) and how
-    many were accepted by fast mode's relaxed rule (``fast_threshold`` None: lossless, 0)."""
-    rows = runner.step([last_token, *draft])
+    many were accepted by fast mode's relaxed rule (``fast_threshold`` None: lossless, 0). A `DeviceDraft` is
+    staged by a device copy and read back from the step's rows (the same judgement, one host sync)."""
+    if isinstance(draft, DeviceDraft):
+        rows = runner.step([last_token], device_tail=draft.ids)
+        draft = [row[4] for row in rows[:-1]]
+    else:
+        rows = runner.step([last_token, *draft])
     log_threshold = math.log(fast_threshold) if fast_threshold else None
     emitted: list[int] = []
     logprobs: list[float] = []
     relaxed = 0
     for i in range(len(draft) + 1):
         banned = rule.banned(draft[:i])
-        target, best, lse, drafted = rows[i]
+        target, best, lse, drafted, _ = rows[i]
         if target in banned:  # rare: the argmax itself is banned; redo the row as generate() does
             row = runner.logits_row(i)
             target = greedy_token(row, banned)

@@ -208,10 +208,11 @@ class StaticRswaRunner:
     # --- one step (the graph body) -----------------------------------------------------------------------
 
     def step_body(self, width: int, prefix_bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 logits [width, vocab] of the staged step and a summary [width, 4] fp32 per row: argmax (exact
-        as fp32 below 2**24), max logit, logsumexp, and the logit of the next staged token (row i judges staged
-        token i + 1, the draft: fast mode's relaxed rule needs its probability; the last row's entry is
-        meaningless); with ``capture_layers`` also the features [width, F].
+        """fp32 logits [width, vocab] of the staged step and a summary [width, 5] fp32 per row: argmax (exact
+        as fp32 below 2**24), max logit, logsumexp, the logit of the next staged token (row i judges staged
+        token i + 1, the draft: fast mode's relaxed rule needs its probability) and that token's id (the host
+        learns a draft written on the device with the step's one copy); the last row's two entries are
+        meaningless. With ``capture_layers`` also the features [width, F].
         Only device work on static tensors: no host sync, shapes fixed by (width, prefix_bucket)."""
         pos = self.pos[:width]
         slots = pos % self.ring_size
@@ -229,8 +230,10 @@ class StaticRswaRunner:
                 kept.append(hidden[0])
         logits = self._final(hidden[0])
         argmax = logits.argmax(dim=-1)  # first index on ties, as generate's argmax
-        drafted = logits.gather(1, torch.roll(self.ids[:width], -1)[:, None])[:, 0]
-        summary = torch.stack([argmax.float(), logits.amax(dim=-1), torch.logsumexp(logits, dim=-1), drafted], dim=1)
+        following = torch.roll(self.ids[:width], -1)
+        drafted = logits.gather(1, following[:, None])[:, 0]
+        summary = torch.stack([argmax.float(), logits.amax(dim=-1), torch.logsumexp(logits, dim=-1), drafted,
+                               following.float()], dim=1)
         return (logits, summary, torch.cat(kept, dim=-1)) if kept else (logits, summary)
 
     def body(self, width: int, prefix_bucket: int) -> tuple[torch.Tensor, ...]:
@@ -319,30 +322,36 @@ class StaticRswaRunner:
     def _stage(self, token_ids: list[int], width: int) -> None:
         host = self._host_np
         host[0, :len(token_ids)] = token_ids
-        host[0, len(token_ids):] = token_ids[-1]  # pad id: any valid token
+        host[0, len(token_ids):] = token_ids[0]  # pad id: any valid token; the first, as for a device-staged draft
         host[1, :] = np.arange(self.length, self.length + self.max_width)
         self.ids.copy_(self._host[0], non_blocking=True)
         self.pos.copy_(self._host[1], non_blocking=True)
 
     @torch.inference_mode()
-    def step(self, token_ids: list[int]) -> list[tuple[int, float, float, float]]:
+    def step(self, token_ids: list[int], device_tail: torch.Tensor | None = None
+             ) -> list[tuple[int, float, float, float, int]]:
         """Per token at positions ``length ..``: (greedy choice before bans, its logit, logsumexp of the row, the
-        logit of the next token in ``token_ids``, meaningless on the last row); the full fp32 logits stay on the
-        device for ``logits_row``. Commits nothing."""
-        if not 1 <= len(token_ids) <= self.max_width:
-            raise ValueError(f"a step of {len(token_ids)} tokens; the runner allows 1..{self.max_width}")
+        logit of the next staged token and that token's id; the last two meaningless on the last row); the full
+        fp32 logits stay on the device for ``logits_row``. Commits nothing.
+        device_tail: ids already on the device (a draft of the static block drafter) staged after ``token_ids``
+        by a device copy, so the host never waits for them before the step: the rows name them."""
+        n = len(token_ids) + (0 if device_tail is None else device_tail.numel())
+        if not 1 <= n <= self.max_width or not token_ids:
+            raise ValueError(f"a step of {n} tokens; the runner allows 1..{self.max_width}")
         if self.length < self.prefix_len or not self.prefix_len:
             raise RuntimeError("prefill first")
-        width = bucket(len(token_ids), self.widths)
+        width = bucket(n, self.widths)
         self._stage(token_ids, width)
+        if device_tail is not None:
+            self.ids[len(token_ids):n].copy_(device_tail)  # ordered after the staging copy, before the step
         if self.graphs is not None:
             logits, summary, *features = self.graphs.replay(width, self.prefix_bucket)
         else:
             logits, summary, *features = self.body(width, self.prefix_bucket)
         self.features = features[0] if features else None  # a graph's static output: read before the next step
-        self._logits, self._step_tokens = logits, len(token_ids)
-        rows = summary[:len(token_ids)].tolist()  # the one host sync of a step
-        return [(int(token), best, lse, drafted) for token, best, lse, drafted in rows]
+        self._logits, self._step_tokens = logits, n
+        rows = summary[:n].tolist()  # the one host sync of a step
+        return [(int(token), best, lse, drafted, int(following)) for token, best, lse, drafted, following in rows]
 
     def logits_row(self, i: int) -> torch.Tensor:
         """fp32 logits [vocab] after the i-th token of the last step (valid until the next step)."""

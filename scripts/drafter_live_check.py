@@ -16,18 +16,19 @@ from tqdm import tqdm
 
 def evaluate(loaded, net, chunks, max_new_tokens: int, k_max: int, moe: str = "auto", linear: str = "auto",
              attn: str = "auto", draft_linear: str = "torch", block_sits_out: bool = True,
-             compile_draft: bool = False, warmup: list | None = None, block_full_k: bool = False) -> dict:
+             compile_draft: bool = False, warmup: list | None = None, block_full_k: bool = False,
+             device_drafts: bool = True) -> dict:
     """lossless with the block drafter alone vs plain on the same chunks (lists of page images), side by side
     (moe, linear, attn: the static step's, `engine.static_runner`; draft_linear: the drafter's static forward;
     block_sits_out, block_full_k: see `engine.speculative.SpeculativeDecoder`;
-    compile_draft: `engine.drafters.block_static`;
+    compile_draft, device_drafts: `engine.drafters.block_static`;
     warmup: chunks decoded by both sides before the timed ones)."""
     from engine.fast_decoder import FastDecoder
 
     plain = FastDecoder(loaded, mode="plain", moe=moe, linear=linear, attn=attn)
     spec = FastDecoder(loaded, mode="lossless", k_max=k_max, drafters=("block",), block_net=net, moe=moe,
                        linear=linear, attn=attn, draft_linear=draft_linear, block_sits_out=block_sits_out,
-                       compile_draft=compile_draft, block_full_k=block_full_k)
+                       compile_draft=compile_draft, block_full_k=block_full_k, device_drafts=device_drafts)
     warmup_s = {"plain": 0.0, "block": 0.0}
     for chunk in warmup or []:
         warmup_s["plain"] += plain.generate(chunk, max_new_tokens * len(chunk)).seconds
@@ -42,6 +43,7 @@ def evaluate(loaded, net, chunks, max_new_tokens: int, k_max: int, moe: str = "a
         rows.append({"tokens": len(b.output_ids), "plain_s": a.seconds, "block_s": b.seconds, "tau": s["tau"],
                      "draft_share": s["draft_share"], "rounds": s["verify_rounds"], "singles": s["single_steps"],
                      "draft_s": s["draft_s"], "verify_s": s["verify_s"], "single_s": s["single_s"],
+                     "round_s": s["draft_s"] + s["verify_s"],
                      "plain_steps": p["single_steps"], "plain_step_s": p["single_s"],
                      "by_position": s["drafters"].get("block", {}).get("acceptance_by_position", [])})
     n = len(rows)
@@ -57,11 +59,13 @@ def evaluate(loaded, net, chunks, max_new_tokens: int, k_max: int, moe: str = "a
             # where a round's time goes: ms per plain step, per draft, per verify round, per single step
             "ms_plain_step": ms("plain_step_s", "plain_steps"), "ms_draft": ms("draft_s", "rounds"),
             "ms_verify_round": ms("verify_s", "rounds"), "ms_single_step": ms("single_s", "singles"),
+            "ms_round": ms("round_s", "rounds"),  # draft + verify: with device drafts the draft's GPU time is in verify
             "backend": b.extra["speculative"].get("backend", "eager"), "moe": b.extra["speculative"].get("moe"),
             "linear": b.extra["speculative"].get("linear"), "attn": b.extra["speculative"].get("attn"),
             "draft_linear": b.extra["speculative"].get("draft_linear"), "block_sits_out": block_sits_out,
             "block_full_k": block_full_k,
             "draft_compiled": b.extra["speculative"].get("draft_compiled"),
+            "device_drafts": b.extra["speculative"].get("device_drafts"),
             "warmup_chunks": len(warmup or []), "warmup_s": {k: round(v, 2) for k, v in warmup_s.items()},
             "acceptance_by_position": mean_lists([r["by_position"] for r in rows]),
             "ms_step_by_width": step_ms_by_width(spec.static)}

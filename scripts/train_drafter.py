@@ -292,7 +292,7 @@ def live_check(loaded, net: BlockDrafterNet, args) -> dict:
     return evaluate(loaded, net, chunked(held, size), args.max_new_tokens, k_max=args.eval_k_max or net.config.block,
                     moe=args.moe, linear=args.linear, attn=args.attn, draft_linear=args.draft_linear,
                     block_sits_out=not args.no_sit_out, compile_draft=args.compile_draft, warmup=warmup,
-                    block_full_k=args.block_full_k)
+                    block_full_k=args.block_full_k, device_drafts=not args.host_drafts)
 
 
 def decoded_heldout(loaded, net: BlockDrafterNet, args) -> dict:
@@ -370,6 +370,9 @@ def main(argv=None) -> int:
                     help="live check: the block drafter's static forward (torch, bmv; engine/drafters/block_static.py)")
     ap.add_argument("--compile-draft", action="store_true",
                     help="live check: torch.compile the static drafter's forward (engine/drafters/block_static.py)")
+    ap.add_argument("--host-drafts", action="store_true",
+                    help="live check: the host reads each block draft before its verify (two syncs a round; the "
+                    "default keeps drafts on the device, engine/drafters/block_static.py)")
     ap.add_argument("--eval-warmup", action=argparse.BooleanOptionalAction, default=True,
                     help="live check: both sides decode one chunk of other pages first, untimed (capture, compile)")
     ap.add_argument("--block-full-k", action="store_true",

@@ -238,6 +238,57 @@ def test_the_static_runner_feeds_the_block_drafter_the_same_features(tiny):
         assert not k[:, :, P:].any() and not v[:, :, P:].any()
 
 
+@pytest.mark.parametrize("mode", ["lossless", "fast"])
+def test_drafts_kept_on_the_device_decode_and_count_what_host_drafts_do(tiny, mode):
+    """The fast path's block drafts stay on the device (`DeviceDraft`; the verify step stages them by a device copy
+    and names them in its rows): the same tokens (official's, in lossless), the same rounds, acceptance and
+    log-probabilities as drafts read on the host first."""
+    from engine.drafters import DeviceDraft
+    from engine.fast_decoder import FastDecoder
+
+    pages = [text_page(i) for i in range(3)]
+    net = _net(tiny, memory=True)
+    results, kinds = {}, {}
+    for device_drafts in (True, False):
+        dec = FastDecoder(tiny, mode=mode, k_max=6, drafters=("block",), block_net=net, backend="static",
+                          device_drafts=device_drafts, block_sits_out=False, fast_threshold=1e-4)
+        drafter = dec.static_block
+        plain_propose = drafter.propose
+        seen = kinds[device_drafts] = set()
+
+        def spy(committed, k, propose=plain_propose, seen=seen):
+            draft = propose(committed, k)
+            seen.add(type(draft).__name__)
+            return draft
+
+        drafter.propose = spy
+        results[device_drafts] = dec.generate(pages, LENGTH)
+    assert kinds == {True: {DeviceDraft.__name__}, False: {"list"}}
+    on_device, on_host = results[True], results[False]
+    assert on_device.output_ids == on_host.output_ids and on_device.logprobs == on_host.logprobs
+    if mode == "lossless":
+        assert on_device.output_ids == official_generate(tiny, pages, "multi", LENGTH).output_ids
+    a, b = on_device.extra["speculative"], on_host.extra["speculative"]
+    assert a["device_drafts"] is True and b["device_drafts"] is False
+    for key in ("verify_rounds", "single_steps", "draft_tokens", "accepted_tokens", "relaxed_tokens", "drafters"):
+        assert a[key] == b[key], key
+    assert a["verify_rounds"] > 0 and (mode == "lossless" or a["relaxed_tokens"] > 0)
+
+
+def test_a_step_stages_a_draft_written_on_the_device_and_names_it_in_its_rows(tiny):
+    from engine.official import official_inputs
+    from engine.static_runner import StaticRswaRunner
+
+    runner = StaticRswaRunner(tiny.model, 7)
+    runner.prefill(official_inputs(tiny, [text_page(0)], "single"))
+    draft = [11, 12, 13, 14]
+    want = runner.step([5, *draft])
+    got = runner.step([5], device_tail=torch.tensor(draft))
+    assert got == want and [row[4] for row in got[:-1]] == draft
+    with pytest.raises(ValueError):
+        runner.step([5], device_tail=torch.arange(7))  # 8 tokens: wider than the runner's widest step
+
+
 @pytest.mark.parametrize("memory,linear", [(False, "torch"), (True, "torch"), (True, "bmv")])
 def test_the_static_block_drafter_drafts_what_the_eager_one_drafts(tiny, memory, linear):
     """Same network, same feeds (the prompt, then rounds of 1, 2, 5 and 40 inputs): the static-buffer drafter

@@ -6,14 +6,37 @@ follow ``committed_ids`` (the output so far, prompt excluded). It may keep state
 must accept any ``committed_ids`` that extends the previous one (rounds in which it was not asked
 included). Optional: ``max_draft``, the longest draft it can ever make (`engine.drafters.policy` then skips
 it in rounds where it could not win).
+
+A drafter of the static fast path may return a `DeviceDraft` instead of a list: its ids stay on the device,
+where the verify step reads them (`engine.static_runner.StaticRswaRunner.step`'s ``device_tail``), so the host
+never waits for a draft; its length is known without looking. Only `engine.fast_decoder.verify_static` reads one.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
+import torch
+
 
 class Drafter(Protocol):
     name: str
 
     def propose(self, committed_ids: list[int], k: int) -> list[int]: ...
+
+
+class DeviceDraft:
+    """A draft whose ids are still on the device (``ids``, 1-D, length ``len()``): the output of a graph replay
+    that the next one overwrites, so it must be verified before the drafter drafts again."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return self.ids.numel()
+
+    def tolist(self) -> list[int]:
+        """The ids on the host (a sync: for tests and the eager path)."""
+        return self.ids.tolist()

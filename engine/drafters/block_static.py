@@ -27,6 +27,11 @@ graph captures it: a draft is ~60 small kernels (layer norms, GELU, masks, resid
 inductor fuses the elementwise chains. If compiling fails the drafter logs why (``compile_error``) and drafts with
 the plain body. The drafts may differ from the eager drafter's by float rounding; exactness never depends on them.
 Opt-in until measured on a GPU.
+
+``device_drafts=True`` (what `engine.fast_decoder.FastDecoder` asks for) returns each draft as a
+`engine.drafters.DeviceDraft`: no copy to the host and no wait; the verify step copies the ids into its static
+input on the device and hands them back with its own rows, so a round has one host sync instead of two and the
+host stages the verify while the draft still runs.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import torch
 from loguru import logger
 
 from engine.cuda_graphs import StepGraphs
+from engine.drafters import DeviceDraft
 from engine.drafters.block import BlockDrafterNet, PageMemory, check_fed
 from engine.gemv import with_gemv_linears
 
@@ -48,13 +54,15 @@ class StaticBlockDrafter:
     name = "block"
 
     def __init__(self, net: BlockDrafterNet, embed_tokens, lm_head, graphs: bool = False,
-                 memory_bucket: int = MEMORY_BUCKET, linear: str = "torch", compile: bool = False):
+                 memory_bucket: int = MEMORY_BUCKET, linear: str = "torch", compile: bool = False,
+                 device_drafts: bool = False):
         if linear not in DRAFT_LINEARS:
             raise ValueError(f"linear must be one of {DRAFT_LINEARS}, not {linear!r}")
         c = net.config
         p = next(net.parameters())
         self.net, self.embed_tokens, self.lm_head = net, embed_tokens, lm_head
         self.linear = linear
+        self.device_drafts = device_drafts
         # what a draft runs: the same parameters, the linears written as ``linear`` says
         self._step_net = with_gemv_linears(net) if linear == "bmv" else net
         self.memory_bucket = memory_bucket
@@ -137,11 +145,14 @@ class StaticBlockDrafter:
         return self.net.config.block
 
     @torch.no_grad()
-    def propose(self, committed_ids: list[int], k: int) -> list[int]:
+    def propose(self, committed_ids: list[int], k: int) -> list[int] | DeviceDraft:
+        """Up to k drafted ids: a list, or with ``device_drafts`` a `DeviceDraft` (no host sync: the verify step
+        reads the ids on the device; valid until the next draft)."""
         c = self.net.config
         if k < 1 or self.prompt_len is None or self.fed < c.context:
             return []
         check_fed(self.fed, self.prompt_len, committed_ids)
         self.last.fill_(committed_ids[-1])
         out = self.graphs.replay(0, self.bucket) if self.graphs is not None else self._run(self.bucket)
-        return out[: min(k, c.block)].tolist()
+        ids = out[: min(k, c.block)]
+        return DeviceDraft(ids) if self.device_drafts else ids.tolist()
