@@ -73,12 +73,12 @@ def _image_pages(path: Path, first: int, last: int, target_px: int, max_page_pix
             if frame.format == "JPEG":
                 frame.draft("RGB", (target_px, target_px))
             if frame.mode in ("1", "L", "P", "LA", "PA", "RGBA", "I;16", "I", "F", "CMYK", "YCbCr"):
-                frame = _flatten(frame)
+                frame = flatten_to_rgb(frame)
             img = _fit(frame, target_px)
             yield RenderedPage(n, img.transpose(upright) if upright is not None else img, None)
 
 
-def _flatten(frame: Image.Image) -> Image.Image:
+def flatten_to_rgb(frame: Image.Image) -> Image.Image:
     """Alpha onto white; 16-bit/float greyscale scaled to 8 bits; everything else to RGB."""
     if frame.mode in ("RGBA", "LA", "PA") or (frame.mode == "P" and "transparency" in frame.info):
         rgba = frame.convert("RGBA")

@@ -25,7 +25,7 @@ from PIL import Image, ImageSequence
 
 from ingest.files import write_atomic
 from ingest.outputs import page_markdown
-from ingest.render import EXIF_ORIENTATION, UPRIGHT, _flatten
+from ingest.render import EXIF_ORIENTATION, UPRIGHT, flatten_to_rgb
 
 DEFAULT_DPI = 300
 _TAG = re.compile(r"<[^>]{1,40}>")
@@ -64,7 +64,7 @@ def _image_pages(source: Path) -> pymupdf.Document:
             dpi = frame.info.get("dpi") or (DEFAULT_DPI, DEFAULT_DPI)
             img = frame.copy()
             if img.mode not in ("1", "L", "RGB"):
-                img = _flatten(img)
+                img = flatten_to_rgb(img)
             if upright is not None:
                 img = img.transpose(upright)
             buf = io.BytesIO()
