@@ -78,7 +78,7 @@ def run_batch(settings: Settings, db: Database, paths: list[Path], make_worker: 
     doc_ids: list[int] = []
     rejected: list[tuple[Path, str]] = []
     for f in files:
-        res = intake_file(db, settings, f)
+        res = intake_file(db, settings, f, retry_failed=bool(paths))  # a failed file named again: try it again
         if res.outcome == "rejected":
             rejected.append((f, res.reason or ""))
         elif res.document_id is not None and res.document_id not in doc_ids:

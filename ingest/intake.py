@@ -141,13 +141,21 @@ def _duplicate(db: Database, settings: Settings, path: Path, st, doc: Document) 
     return IntakeResult("duplicate", document_id=doc.id, moved_to=dest)
 
 
-def intake_file(db: Database, settings: Settings, path: Path, incomplete_grace_s: float = 0.0) -> IntakeResult:
+def intake_file(db: Database, settings: Settings, path: Path, incomplete_grace_s: float = 0.0,
+                retry_failed: bool = False) -> IntakeResult:
     """Record a complete file. Bad input is rejected with its reason; the caller never sees InputRejected.
     A file that looks cut short (`InputIncomplete`) and changed less than ``incomplete_grace_s`` ago is left where
-    it is (outcome ``incomplete``): the watcher looks again later, since a stalled copy may still finish it."""
+    it is (outcome ``incomplete``): the watcher looks again later, since a stalled copy may still finish it.
+    retry_failed: the very file of a failed document (unchanged, still in place) is re-queued too, as when its
+    content is dropped again (``uflash run PATH`` names it on purpose; a rescan of the inbox does not retry it)."""
     path = Path(path).absolute()
     st = path.stat()
     if (doc_id := known_document(db, path, st.st_size, st.st_mtime_ns)) is not None:
+        if retry_failed:
+            with db.session() as s:
+                doc = s.get(Document, doc_id)
+            if doc is not None and doc.status == DocStatus.FAILED:
+                return _retry(db, settings, path, st, doc)
         return IntakeResult("known", document_id=doc_id)
     sha = sha256_file(path)
     if (existing := _by_sha(db, sha)) is not None:

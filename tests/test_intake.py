@@ -175,6 +175,22 @@ def test_failed_document_is_retried_when_its_file_is_touched(settings, db):
         assert s.scalar(select(Chunk.status)) == ChunkStatus.QUEUED
 
 
+def test_a_failed_file_named_again_on_purpose_is_retried_but_not_by_a_rescan(settings, db, tmp_path):
+    """`uflash run PATH` on the unchanged file of a failed document re-queues it (retry_failed); the watcher's
+    rescan of the same file does not (it would retry it forever)."""
+    outside = make_pdf(tmp_path / "elsewhere" / "a.pdf", 1)
+    doc_id = intake_file(db, settings, outside, retry_failed=True).document_id
+    c = claim(db, "w", lease_seconds=60, max_attempts=3)
+    fail(db, c, "cannot render: boom", max_attempts=3, backoff_seconds=0, permanent=True)
+    assert intake_file(db, settings, outside).outcome == "known"
+    r = intake_file(db, settings, outside, retry_failed=True)
+    assert (r.outcome, r.document_id) == ("requeued", doc_id) and outside.exists()
+    with db.session() as s:
+        assert s.get(Document, doc_id).status == DocStatus.QUEUED
+        assert s.scalar(select(Chunk.status)) == ChunkStatus.QUEUED
+    assert intake_file(db, settings, outside, retry_failed=True).outcome == "known", "queued: nothing to retry"
+
+
 def test_renamed_waiting_file_stays_its_document(settings, db):
     a = make_pdf(settings.inbox / "a.pdf", ["renamed while it waits"])
     doc_id = intake_file(db, settings, a).document_id
