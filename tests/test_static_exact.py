@@ -368,3 +368,32 @@ def test_compiled_step_is_token_identical_to_official(models, official):
     out = decoder.decode(_pages(1), 32768, LENGTHS[8])
     assert decoder.static.compile_error is None and decoder.static.compiled and out.chunk_stats["compiled"]
     assert out.output_ids == official(8, 1)
+
+
+@CUDA
+@pytest.mark.parametrize("n_pages", [1, 3])
+def test_cuda_graphs_with_the_block_drafter_equal_official_fp32(folders, n_pages):
+    """The GPU path of issue 7: the block drafter drafting by graph replay, its drafts kept on the device for the
+    verify graph (device_drafts) or read by the host first: both official's tokens, with the same rounds."""
+    from engine.drafters.block import BlockDrafterConfig, BlockDrafterNet
+    from engine.static_moe import make_official_experts_runnable
+
+    loaded = load_model(folders[128], "cuda", "float32")
+    make_official_experts_runnable(loaded.model)
+    pages = _pages(n_pages)
+    expected = official_generate(loaded, pages, _kind(n_pages), LENGTHS[128]).output_ids
+    cfg = loaded.model.config.text_config
+    torch.manual_seed(0)
+    net = BlockDrafterNet(BlockDrafterConfig(
+        target_hidden=cfg.hidden_size, layers=BlockDrafterConfig.default_layers(cfg.num_hidden_layers), block=6,
+        context=16, dim=32, num_layers=1, num_heads=2, memory=True)).eval().requires_grad_(False).cuda()
+    stats = {}
+    for device_drafts in (True, False):
+        dec = FastDecoder(loaded, mode="lossless", k_max=6, drafters=("block",), block_net=net, backend="graphs",
+                          device_drafts=device_drafts, block_sits_out=False)
+        res = dec.generate(pages, LENGTHS[128])
+        assert dec.backend == "graphs", dec.fallback_reason
+        assert res.output_ids == expected, device_drafts
+        s = stats[device_drafts] = res.extra["speculative"]
+        assert s["device_drafts"] is device_drafts and s["verify_rounds"] > 0
+    assert stats[True]["drafters"] == stats[False]["drafters"]
