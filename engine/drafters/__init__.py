@@ -36,7 +36,3 @@ class DeviceDraft:
 
     def __len__(self) -> int:
         return self.ids.numel()
-
-    def tolist(self) -> list[int]:
-        """The ids on the host (a sync: for tests and the eager path)."""
-        return self.ids.tolist()
