@@ -336,7 +336,7 @@ class StaticRswaRunner:
         device_tail: ids already on the device (a draft of the static block drafter) staged after ``token_ids``
         by a device copy, so the host never waits for them before the step: the rows name them."""
         n = len(token_ids) + (0 if device_tail is None else device_tail.numel())
-        if not 1 <= n <= self.max_width or not token_ids:
+        if not token_ids or n > self.max_width:
             raise ValueError(f"a step of {n} tokens; the runner allows 1..{self.max_width}")
         if self.length < self.prefix_len or not self.prefix_len:
             raise RuntimeError("prefill first")
