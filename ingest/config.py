@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from engine.quality import Thresholds
+from ingest.orientation import OrientationConfig
 from ingest.errors import ConfigError
 
 CONFIG_ENV = "UFLASH_CONFIG"
@@ -67,6 +68,18 @@ class Quality(_Section):
         return Thresholds(**self.model_dump())
 
 
+class Orientation(_Section):
+    """Sideways scans (ingest.orientation documents each key)."""
+
+    auto: bool = True
+    sideways_below: float = Field(default=0.67, gt=0.0)
+    probe_tokens: int = Field(default=256, ge=8)
+    min_gain: float = Field(default=0.1, ge=0.0)
+
+    def config(self) -> OrientationConfig:
+        return OrientationConfig(**self.model_dump(exclude={"auto"}))
+
+
 class Watch(_Section):
     settle_seconds: float = Field(default=5.0, ge=0.0)
     incomplete_grace_seconds: float = Field(default=600.0, ge=0.0)
@@ -94,6 +107,7 @@ class Settings(BaseSettings):
     model: ModelSettings = ModelSettings()
     engine: EngineSettings = EngineSettings()
     quality: Quality = Quality()
+    orientation: Orientation = Orientation()
     watch: Watch = Watch()
     worker: Worker = Worker()
     config_dir: Path = Field(default=Path("."), exclude=True)

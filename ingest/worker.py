@@ -44,6 +44,7 @@ from ingest.config import Settings
 from ingest.errors import UflashError
 from ingest.files import file_away, sha256_file
 from ingest.intake import intake_file
+from ingest.orientation import TurnChoice, choose_turn, mean_logprob, turn
 from ingest.outputs import output_folder, page_markdown, write_document_outputs
 from ingest.render import render_pages
 
@@ -180,6 +181,7 @@ class Worker:
         logger.info("decoding {} (attempt {})", label, c.attempts)
         try:
             with Heartbeat(self.db, c, w.lease_seconds, w.heartbeat_seconds) as hb:
+                turned = self._turn_sideways(decoder, pages, label)
                 cap = self.settings.engine.max_tokens_per_page
                 out = decoder.decode([p.image for p in pages], context_limit=self.settings.engine.context_limit,
                                      max_new_tokens=cap * len(pages) if cap else None,
@@ -191,7 +193,33 @@ class Worker:
         if hb.lost.is_set():
             logger.warning("{}: lease lost while decoding; dropping the result", label)
             return
-        self._store(c, run_id, pages, out, label)
+        self._store(c, run_id, pages, out, label, turned)
+
+    def _turn_sideways(self, decoder: ChunkDecoder, pages: list, label: str) -> dict[int, TurnChoice]:
+        """Turn the pages that were scanned sideways (ingest.orientation) so the chunk's decode reads them upright;
+        returns the choice made for each page that was probed, by page index."""
+        o = self.settings.orientation
+        if not o.auto:
+            return {}
+        config = o.config()
+
+        def probe(image) -> float:
+            out = decoder.decode([image], context_limit=self.settings.engine.context_limit,
+                                 max_new_tokens=config.probe_tokens)
+            return mean_logprob(out.pages[0].logprobs if out.pages else [])
+
+        choices = {}
+        for page in pages:
+            choice = choose_turn(page.image, probe, config)
+            if choice.scores is None:
+                continue
+            choices[page.index] = choice
+            if choice.turn:
+                page.image = turn(page.image, choice.turn)
+            logger.info("{}: page {} looks sideways (stripe ratio {:.2f}); probes {}: {}", label, page.index,
+                        choice.ratio, choice.record()["probe_mean_logprob"],
+                        f"turned {choice.turn} degrees clockwise" if choice.turn else "left as it is")
+        return choices
 
     def _still_the_original(self, c: Claim, doc: Document, path: Path, label: str) -> bool:
         """The file waiting at ``path`` is still the content the document was queued with. A file touched in place
@@ -259,7 +287,8 @@ class Worker:
         status = fail(self.db, c, reason, w.max_attempts, w.backoff_seconds)
         logger.opt(exception=not _is_oom(e)).error("{}: {} -> {}", label, reason, status or "lease lost")
 
-    def _store(self, c: Claim, run_id: int, pages: list, out: ChunkOutput, label: str) -> None:
+    def _store(self, c: Claim, run_id: int, pages: list, out: ChunkOutput, label: str,
+               turned: dict[int, TurnChoice] | None = None) -> None:
         n_in = len(pages)
         kept = out.pages
         rows = []
@@ -270,8 +299,13 @@ class Worker:
             stats = {**po.stats, "chunk_id": c.chunk_id, "chunk_pages": f"{c.first_page}-{c.last_page}", "mode": mode,
                      "quality": page_quality(po.stats["finish_reason"], po.ids, po.logprobs, page_markdown(po.text),
                                              rendered.text_layer, thresholds)}
-            if out.note:
-                stats["note"] = out.note
+            notes = [out.note] if out.note else []
+            if (choice := (turned or {}).get(rendered.index)) is not None:
+                stats["orientation"] = choice.record()
+                if choice.turn:
+                    notes.append(f"scanned sideways: turned {choice.turn} degrees clockwise to be read")
+            if notes:
+                stats["note"] = "; ".join(notes)
             rows.append(dict(document_id=c.document_id, run_id=run_id, chunk_id=c.chunk_id,
                              page_index=rendered.index, text=po.text, boxes=po.boxes, stats=stats,
                              text_layer=rendered.text_layer))

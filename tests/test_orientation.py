@@ -1,0 +1,140 @@
+"""Sideways scans are turned before the model reads them (ingest/orientation.py): the stripes that find them, the
+probes that choose the turn, the worker that records it, and document.pdf that shows the page that way."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+
+import pymupdf
+import pytest
+from PIL import Image
+
+from ingest.orientation import OrientationConfig, choose_turn, stripe_ratio, turn
+from ingest.render import render_pages
+from ingest.searchable_pdf import write_searchable_pdf
+from tests.conftest import SAMPLES, make_pdf
+
+DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
+CONFIG = OrientationConfig()
+
+
+def rendered(path: Path, page: int = 1) -> Image.Image:
+    return render_pages(path, "pdf", page, page)[0].image
+
+
+def image_pdf(path: Path, images: list[Image.Image]) -> Path:
+    """An image-only PDF (as a scanner writes it): one page per image, one point per pixel."""
+    doc = pymupdf.open()
+    for im in images:
+        buf = io.BytesIO()
+        im.save(buf, "PNG")
+        page = doc.new_page(width=im.width, height=im.height)
+        page.insert_image(page.rect, stream=buf.getvalue())
+    doc.save(path)
+    return path
+
+
+def letter(tmp_path: Path) -> Image.Image:
+    lines = [f"Line {i}: the council met on Tuesday and agreed the budget for the year {1900 + i}." for i in range(30)]
+    return rendered(make_pdf(tmp_path / "letter.pdf", ["\n".join(lines)]))
+
+
+def test_lines_across_are_upright_and_lines_up_and_down_are_sideways(tmp_path):
+    page = letter(tmp_path)
+    assert stripe_ratio(page) > 1.5
+    for t in (90, 270):
+        assert stripe_ratio(turn(page, t)) < CONFIG.sideways_below
+    assert stripe_ratio(turn(page, 180)) > 1.5  # upside down is not told apart (documented)
+    assert stripe_ratio(Image.new("RGB", (600, 800), "white")) is None
+    assert turn(turn(page, 90), 270).tobytes() == page.tobytes()  # quarter turns lose no pixel
+
+
+def test_only_sideways_pages_are_probed_and_a_turn_needs_a_clear_gain(tmp_path):
+    upright = letter(tmp_path)
+    calls = []
+
+    def probe(image):  # the "model" reads the upright page best, the others badly
+        calls.append(image.size)
+        return -0.2 if image.tobytes() == upright.tobytes() else -0.9
+
+    choice = choose_turn(upright, probe, CONFIG)
+    assert (choice.turn, choice.scores, calls) == (0, None, [])  # upright: no model call at all
+    sideways = turn(upright, 270)  # needs a quarter turn clockwise
+    choice = choose_turn(sideways, probe, CONFIG)
+    assert choice.turn == 90 and choice.scores == {0: -0.9, 90: -0.2, 270: -0.9} and len(calls) == 3
+    assert choice.record()["turned"] == 90 and choice.record()["probe_mean_logprob"]["90"] == -0.2
+    assert choose_turn(sideways, probe, OrientationConfig(min_gain=0.8)).turn == 0  # not clearly better: kept
+    assert choose_turn(sideways, lambda im: -math.inf, CONFIG).turn == 0  # reads nothing anywhere: kept
+    assert choose_turn(sideways, probe, OrientationConfig(sideways_below=0.01)).scores is None  # gate closed
+
+
+def test_a_turned_page_is_shown_turned_in_the_searchable_pdf(tmp_path):
+    src = image_pdf(tmp_path / "scan.pdf", [Image.new("L", (800, 600), 255)])  # landscape: a sideways portrait
+    page = {"index": 1, "text": "", "stats": {"orientation": {"turned": 90}},
+            "boxes": [{"label": "title", "box": [100, 50, 900, 120], "text": "Protokoll des Stadtrats"}]}
+    out = write_searchable_pdf(tmp_path / "document.pdf", src, "pdf", [page])
+    with pymupdf.open(out) as doc:
+        p = doc[0]
+        assert p.rotation == 90 and (p.rect.width, p.rect.height) == (600, 800)  # shown upright, as read
+        (hit,) = p.search_for("Protokoll")
+        assert hit.y0 < 800 * 0.2 and hit.x0 < 600 * 0.5  # at the top left of the upright page
+
+
+@pytest.mark.skipif(not SAMPLES.is_dir(), reason="../shared/samples/real not present")
+def test_the_real_sideways_sample_is_looked_at_and_upright_real_pages_are_not():
+    sideways = rendered(SAMPLES / "cardinal.pdf", 2)  # the LinnSequencer sheet, its lines running top to bottom
+    assert stripe_ratio(sideways) < CONFIG.sideways_below
+    assert stripe_ratio(rendered(SAMPLES / "cardinal.pdf", 1)) > 1 / CONFIG.sideways_below
+    for name in ("skew.pdf", "epson.pdf", "francais.pdf", "kcs.pdf", "c02-22.pdf", "aspect.pdf"):
+        ratio = stripe_ratio(rendered(SAMPLES / name))
+        assert ratio is None or ratio >= CONFIG.sideways_below, name
+
+
+@pytest.mark.skipif(not (DEMO / "config.json").is_file(), reason="models/demo is not in this checkout")
+def test_the_demo_model_reads_a_sideways_scan_as_it_reads_the_upright_one(tmp_path):
+    """A synthetic scan put in a PDF sideways: the worker turns it back (the demo model reads the upright page
+    with clearly more confidence) and reads the same text as from the upright original; with the check off it
+    reads something else. The searchable PDF shows the page turned; document.md says so."""
+    from db.session import Database
+    from engine.chunk_decode import load_decoder
+    from ingest.config import load_settings
+    from ingest.intake import intake_file
+    from ingest.worker import Worker
+    from scripts.synth import make_document, render_pages as synth_pages
+    from tests.conftest import worker_config
+    from tests.test_worker import serve_until_done
+
+    data, _ = make_document(880_100, 1, scan=True)  # held out (training seeds are >= 1,000,000)
+    upright = synth_pages(data, 1024)[0]
+    decoder = load_decoder(str(DEMO), "cpu", "float32", "lossless")
+
+    def read(name: str, image: Image.Image, auto: bool = True) -> dict:
+        folder = tmp_path / name
+        folder.mkdir()
+        s = load_settings(worker_config(folder, DEMO, engine={"max_tokens_per_page": None},
+                                        orientation={"auto": auto}))
+        s.ensure_folders()
+        db = Database(s.database_url)
+        intake_file(db, s, image_pdf(s.inbox / f"{name}.pdf", [image]))
+        serve_until_done(Worker(s, db, lambda: decoder), db, timeout=600)
+        db.dispose()
+        (out,) = (s.outbox).iterdir()
+        return {"json": json.loads((out / "document.json").read_text(encoding="utf-8"))["pages"][0],
+                "md": (out / "document.md").read_text(encoding="utf-8"), "pdf": out / "document.pdf"}
+
+    control = read("upright", upright)
+    assert "orientation" not in control["json"]["stats"]  # an upright page is not probed
+    sideways = read("sideways", turn(upright, 270))
+    o = sideways["json"]["stats"]["orientation"]
+    assert o["turned"] == 90, o
+    assert sideways["json"]["text"] == control["json"]["text"]  # the same pixels, so the same tokens
+    assert sideways["json"]["boxes"] == control["json"]["boxes"]
+    assert "turned 90 degrees clockwise" in sideways["md"]
+    with pymupdf.open(sideways["pdf"]) as doc:
+        assert doc[0].rotation == 90 and doc[0].rect.width < doc[0].rect.height
+    off = read("off", turn(upright, 270), auto=False)
+    assert "orientation" not in off["json"]["stats"] and off["json"]["text"] != control["json"]["text"]
+    assert off["json"]["stats"]["quality"]["mean_logprob"] < control["json"]["stats"]["quality"]["mean_logprob"]
