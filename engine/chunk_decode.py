@@ -5,7 +5,8 @@ The decoder runs one pass over the chunk's pages and hands back the pages it can
 - with a different page count, the pages it produced, in order, with a note on each (never silently
   shifted), and the missing ones asked to be re-queued;
 - when the output reached the context limit, only the pages completed before the last page separator,
-  and the rest asked to be re-queued (the worker halves a chunk that completed none).
+  and the rest asked to be re-queued (the worker sends the page the output was cut on back alone, and the
+  pages after it as a chunk of their own).
 A single page always yields exactly one page; cut at the limit, its finish reason says so.
 Each kept page carries its own token ids and their log-probabilities (for ``engine.quality``): the output
 split at the page separator token (separator and EOS left out), or, when the separator is not one token,

@@ -312,7 +312,12 @@ class Worker:
         new_chunks = []
         if out.requeue:
             first_left = c.first_page + len(kept)
-            if len(kept) == 0:  # not one complete page: halve the chunk so each part has more room
+            if out.finish_reason in ("context_limit", "length") and first_left < c.last_page:
+                # cut on page first_left (a runaway page, or one much longer than planned): it goes back alone,
+                # with the whole room, and the pages after it as a chunk of their own, so a page that runs away
+                # again costs one more decode of itself only, not of its neighbours
+                new_chunks = [(first_left, first_left), (first_left + 1, c.last_page)]
+            elif len(kept) == 0:  # no room for the prompt, or no page at all: halve the chunk
                 mid = c.first_page + n_in // 2 - 1
                 new_chunks = [(c.first_page, mid), (mid + 1, c.last_page)]
             else:

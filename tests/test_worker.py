@@ -611,3 +611,50 @@ def test_a_queued_file_replaced_under_the_same_name_is_not_decoded_as_the_old_do
     assert new is not None and new.status == DocStatus.DONE and new.page_count == 2
     doc = json.loads((Path(new.output_dir) / "document.json").read_text(encoding="utf-8"))
     assert doc["document"]["sha256"] == new.sha256 != gone.sha256 and len(doc["pages"]) == 2
+
+
+class RunawayDecoder:
+    """A scripted decoder: every page reads as ``p<n>`` except ``runaway``, which never ends (the output is cut at
+    the limit on it, as by a model caught in a loop). Records the pages of every decode."""
+
+    mode, model_name, device = "official", "runaway", "cpu"
+
+    def __init__(self, pdf: Path, n: int, runaway: int):
+        self.page_of = {p.image.tobytes(): p.index for p in render_pages(pdf, "pdf", 1, n)}
+        self.runaway, self.calls = runaway, []
+
+    def describe(self):
+        return {}
+
+    def free_memory(self):
+        pass
+
+    def decode(self, images, context_limit, max_new_tokens=None, **hints):
+        pages = [self.page_of[im.tobytes()] for im in images]
+        self.calls.append(pages)
+        text = ""
+        for n in pages:
+            text += "<PAGE>" + (f"p{n}" if n != self.runaway else "loop " * 50)
+            if n == self.runaway:
+                return assemble(_fake_result(text, "length"), len(pages), hit_context=True)
+        return assemble(_fake_result(text, "eos"), len(pages), hit_context=False)
+
+
+def test_a_runaway_page_goes_back_alone_and_its_neighbours_are_decoded_once(tmp_path, tiny_model_dir):
+    cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_pages_per_chunk": 6})
+    s = load_settings(cfg)
+    s.ensure_folders()
+    db = Database(s.database_url)
+    pdf = make_pdf(s.inbox / "six.pdf", 6)
+    doc = intake_file(db, s, pdf).document_id
+    decoder = RunawayDecoder(pdf, 6, runaway=3)
+    serve_until_done(Worker(s, db, lambda: decoder), db)
+    # before: [3-6] again, then halves [3-4], [5-6], then [3], [4]: pages 4-6 decoded three times each
+    assert sorted(decoder.calls) == [[1, 2, 3, 4, 5, 6], [3], [4, 5, 6]]
+    assert [n for _, n in pages_in_db(db, doc)] == [1] * 6
+    with db.session() as ss:
+        assert ss.get(Document, doc).status == "done"
+        (page3,) = ss.scalars(select(Page).where(Page.document_id == doc, Page.page_index == 3)).all()
+        (split,) = ss.scalars(select(Chunk).where(Chunk.document_id == doc, Chunk.status == ChunkStatus.SPLIT)).all()
+    assert page3.stats["finish_reason"] == "context_limit" and page3.text.startswith("loop loop")
+    assert split.note == "output reached the context limit; pages 3-3, 4-6 re-queued"
