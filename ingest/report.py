@@ -60,6 +60,7 @@ def collect_report(db: Database, run_id: int | None = None, grade: str | None = 
             "page_id": page.id, "index": page.page_index, "grade": g, "reasons": q.get("reasons", []),
             "mode": st.get("mode", run.mode), "finish_reason": q.get("finish_reason", st.get("finish_reason")),
             "tau": st.get("tau"), "tokens": tokens, "seconds": seconds,
+            "turned": (st.get("orientation") or {}).get("turned", 0),  # scanned sideways: read turned (clockwise)
             "tokens_per_second": round(tokens / seconds, 2) if seconds else None,
             "quality": q, "text": page.text})
     return {"run": {"id": run.id, "mode": run.mode, "model": run.model, "started_at": run.started_at.isoformat(),
@@ -87,8 +88,13 @@ def format_report(rep: dict[str, Any]) -> str:
             tau = f"{p['tau']:.2f}" if p["tau"] is not None else "-"
             tps = f"{p['tokens_per_second']:.1f}" if p["tokens_per_second"] is not None else "-"
             lines.append(f"  {p['index']:>4}  {p['grade'] or '-':<5}  {p['finish_reason'] or '-':<14} {tau:>6} "
-                         f"{tps:>8}  {', '.join(p['reasons']) or '-'}")
+                         f"{tps:>8}  {', '.join(_remarks(p)) or '-'}")
     return "\n".join(lines)
+
+
+def _remarks(page: dict[str, Any]) -> list[str]:
+    """The grade's reasons, and the turn of a page that was scanned sideways."""
+    return page["reasons"] + ([f"turned {page['turned']}"] if page.get("turned") else [])
 
 
 def report_json(rep: dict[str, Any]) -> str:
@@ -97,8 +103,11 @@ def report_json(rep: dict[str, Any]) -> str:
     return json.dumps(slim, ensure_ascii=False)
 
 
-def _thumbnails(original: str | None, kind: str, indexes: list[int]) -> dict[int, str]:
-    """data: URIs of small JPEG renders of the pages (missing file or render error: none)."""
+def _thumbnails(original: str | None, kind: str, indexes: list[int],
+                turns: dict[int, int] | None = None) -> dict[int, str]:
+    """data: URIs of small JPEG renders of the pages (missing file or render error: none), turned as the model read
+    them (``turns``: page index -> degrees clockwise)."""
+    from ingest.orientation import turn
     from ingest.render import render_pages
 
     if not original or not Path(original).exists() or not indexes:
@@ -108,7 +117,7 @@ def _thumbnails(original: str | None, kind: str, indexes: list[int]) -> dict[int
         for i in indexes:
             page = render_pages(Path(original), kind, i, i, target_px=THUMB_PX)[0]
             buf = io.BytesIO()
-            page.image.save(buf, format="JPEG", quality=70)
+            turn(page.image, (turns or {}).get(i, 0)).save(buf, format="JPEG", quality=70)
             out[i] = "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
     except Exception as e:  # a thumbnail is a convenience: the report is written without it
         logger.warning("no thumbnails for {}: {}", original, e)
@@ -163,15 +172,15 @@ def render_html(rep: dict[str, Any], thumbs: dict[int, str] | None = None) -> st
             g = p["grade"] or "ungraded"
             q = p["quality"]
             stats = "".join(f"<tr><td>{k}</td><td>{e(str(q.get(k)))}</td></tr>" for k in _STAT_KEYS if k in q)
-            stats += "".join(f"<tr><td>{k}</td><td>{e(str(p[k]))}</td></tr>"
-                             for k in ("mode", "tau", "tokens_per_second", "seconds"))
+            shown = ("mode", "tau", "tokens_per_second", "seconds") + (("turned",) if p.get("turned") else ())
+            stats += "".join(f"<tr><td>{k}</td><td>{e(str(p[k]))}</td></tr>" for k in shown)
             img = thumbs.get(p["page_id"])
             image = f"<img alt='page {p['index']}' src='{img}'>" if img else "<div>(no image)</div>"
             parts.append(
                 f"<section class='page' id='p{p['page_id']}' data-doc='{d['id']}' data-page='{p['index']}' "
                 f"data-grade='{e(g)}'><div>{image}</div>"
                 f"<div><h3>page {p['index']} <span class='grade g-{e(g)}'>{e(g)}</span> "
-                f"<small>{e(', '.join(p['reasons']))}</small></h3><pre>{e(page_markdown(p['text']))}</pre></div>"
+                f"<small>{e(', '.join(_remarks(p)))}</small></h3><pre>{e(page_markdown(p['text']))}</pre></div>"
                 f"<div><table class='stats'>{stats}</table></div></section>")
     parts.append(f"<script>{_SCRIPT}</script></body></html>")
     return "\n".join(parts)
@@ -186,7 +195,8 @@ def write_html_report(db: Database, outbox: Path, run_id: int | None = None) -> 
         return None
     thumbs: dict[int, str] = {}
     for d in rep["documents"]:
-        by_index = _thumbnails(d["original"], d["kind"], [p["index"] for p in d["pages"]])
+        by_index = _thumbnails(d["original"], d["kind"], [p["index"] for p in d["pages"]],
+                               {p["index"]: p.get("turned", 0) for p in d["pages"]})
         thumbs.update({p["page_id"]: by_index[p["index"]] for p in d["pages"] if p["index"] in by_index})
     path = outbox / "reports" / f"run-{rep['run']['id']}.html"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@ probes that choose the turn, the worker that records it, and document.pdf that s
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import math
@@ -102,6 +103,7 @@ def test_the_demo_model_reads_a_sideways_scan_as_it_reads_the_upright_one(tmp_pa
     from engine.chunk_decode import load_decoder
     from ingest.config import load_settings
     from ingest.intake import intake_file
+    from ingest.report import _thumbnails, collect_report, format_report
     from ingest.worker import Worker
     from scripts.synth import make_document, render_pages as synth_pages
     from tests.conftest import worker_config
@@ -120,10 +122,14 @@ def test_the_demo_model_reads_a_sideways_scan_as_it_reads_the_upright_one(tmp_pa
         db = Database(s.database_url)
         intake_file(db, s, image_pdf(s.inbox / f"{name}.pdf", [image]))
         serve_until_done(Worker(s, db, lambda: decoder), db, timeout=600)
+        report = format_report(collect_report(db))
+        (thumb,) = _thumbnails(str(s.archive / f"{name}.pdf"), "pdf", [1],
+                               {1: collect_report(db)["documents"][0]["pages"][0]["turned"]}).values()
         db.dispose()
-        (out,) = (s.outbox).iterdir()
+        (out,) = [f for f in s.outbox.iterdir() if f.name != "reports"]
         return {"json": json.loads((out / "document.json").read_text(encoding="utf-8"))["pages"][0],
-                "md": (out / "document.md").read_text(encoding="utf-8"), "pdf": out / "document.pdf"}
+                "md": (out / "document.md").read_text(encoding="utf-8"), "pdf": out / "document.pdf",
+                "report": report, "thumb": Image.open(io.BytesIO(base64.b64decode(thumb.split(",", 1)[1])))}
 
     control = read("upright", upright)
     assert "orientation" not in control["json"]["stats"]  # an upright page is not probed
@@ -132,7 +138,8 @@ def test_the_demo_model_reads_a_sideways_scan_as_it_reads_the_upright_one(tmp_pa
     assert o["turned"] == 90, o
     assert sideways["json"]["text"] == control["json"]["text"]  # the same pixels, so the same tokens
     assert sideways["json"]["boxes"] == control["json"]["boxes"]
-    assert "turned 90 degrees clockwise" in sideways["md"]
+    assert "turned 90 degrees clockwise" in sideways["md"] and "turned 90" in sideways["report"]
+    assert sideways["thumb"].height > sideways["thumb"].width  # the review thumbnail shows the page as read
     with pymupdf.open(sideways["pdf"]) as doc:
         assert doc[0].rotation == 90 and doc[0].rect.width < doc[0].rect.height
     off = read("off", turn(upright, 270), auto=False)
