@@ -75,6 +75,7 @@ class Orientation(_Section):
     sideways_below: float = Field(default=0.67, gt=0.0)
     probe_tokens: int = Field(default=256, ge=8)
     min_gain: float = Field(default=0.1, ge=0.0)
+    min_logprob: float = Field(default=-0.5, le=0.0)
 
     def config(self) -> OrientationConfig:
         return OrientationConfig(**self.model_dump(exclude={"auto"}))

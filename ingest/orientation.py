@@ -5,14 +5,17 @@ Two steps, so that an upright page costs next to nothing:
 1. ``stripe_ratio`` (no model): how much more the page's ink alternates from row to row than from column to
    column. Lines of text make the rows alternate (ink, gap, ink ...) while every column crosses all the lines;
    a sideways page gives the reverse. A page is *looked at* only when the ratio is below ``sideways_below``
-   (default 0.67: the columns alternate at least 1.5x as much as the rows). Measured (session 16): upright
-   synthetic pages 1.7-12.7 and 17 upright real sample pages 0.77-4.1 (none looked at); the same turned a
-   quarter: 0.08-0.59 synthetic, and the real sideways page in ``cardinal.pdf`` 0.45.
+   (default 0.67: the columns alternate at least 1.5x as much as the rows). Measured (session 16,
+   scripts/eval_orientation.py): 24 upright synthetic scans 1.94-6.51, turned a quarter 0.15-0.52; the 20 upright
+   pages with ink among the real samples 0.78-4.1 (none looked at), the two real sideways sheets of
+   ``cardinal.pdf`` 0.455.
 2. ``choose_turn`` (the model): the two quarter turns and the page as it is are each decoded for
-   ``probe_tokens`` tokens; a turn is kept only when the mean log-probability of its tokens beats the page as it
-   is by ``min_gain``. The stripes say *that* lines run up and down, not which way is up; the model says which
-   way reads. A model that cannot read the page (the demo model on real scans) scores all three alike, and the
-   page is left as it is.
+   ``probe_tokens`` tokens; a turn is kept only when the model reads it well (mean log-probability of its tokens
+   at least ``min_logprob``) and clearly better than the page as it is (by ``min_gain``). The stripes say *that*
+   lines run up and down, not which way is up; the model says which way reads. A model that cannot read the page
+   scores all three low and alike, and the page is left as it is: the demo model on the real sideways sheets of
+   ``cardinal.pdf`` scores -0.89 / -0.77 / -0.91 (as it is / 90 / 270, where 270 is right), so without the floor
+   it turned that page upside down.
 
 Not detected: pages upside down (their lines run across, like an upright page's); a page turned by a few degrees
 (skew) is read as it is. ``turn`` is clockwise, as a PDF page's /Rotate: the page image is turned ``turn``
@@ -38,6 +41,7 @@ class OrientationConfig:
     sideways_below: float = 0.67  # stripe_ratio below this: the page is probed
     probe_tokens: int = 256  # tokens decoded per probe
     min_gain: float = 0.1  # a turn must beat the page as it is by this much mean log-probability
+    min_logprob: float = -0.5  # ... and be read with at least this mean log-probability (quality's "fair" line)
 
 
 def turn(image: Image.Image, degrees: int) -> Image.Image:
@@ -104,7 +108,7 @@ def choose_turn(image: Image.Image, probe: Callable[[Image.Image], float], confi
     t0 = time.perf_counter()
     scores = {t: probe(turn(image, t)) for t in (0, 90, 270)}
     best = max((90, 270), key=lambda t: scores[t])
-    keep = scores[best] > -math.inf and scores[best] - scores[0] >= config.min_gain
+    keep = scores[best] >= config.min_logprob and scores[best] - scores[0] >= config.min_gain
     return TurnChoice(best if keep else 0, ratio, scores, time.perf_counter() - t0)
 
 

@@ -69,6 +69,8 @@ def test_only_sideways_pages_are_probed_and_a_turn_needs_a_clear_gain(tmp_path):
     assert choice.record()["turned"] == 90 and choice.record()["probe_mean_logprob"]["90"] == -0.2
     assert choose_turn(sideways, probe, OrientationConfig(min_gain=0.8)).turn == 0  # not clearly better: kept
     assert choose_turn(sideways, lambda im: -math.inf, CONFIG).turn == 0  # reads nothing anywhere: kept
+    unsure = choose_turn(sideways, lambda im: probe(im) - 0.6, CONFIG)  # clearly better, but read badly (-0.8)
+    assert unsure.turn == 0 and unsure.scores[90] == pytest.approx(-0.8)
     assert choose_turn(sideways, probe, OrientationConfig(sideways_below=0.01)).scores is None  # gate closed
 
 
@@ -92,6 +94,21 @@ def test_the_real_sideways_sample_is_looked_at_and_upright_real_pages_are_not():
     for name in ("skew.pdf", "epson.pdf", "francais.pdf", "kcs.pdf", "c02-22.pdf", "aspect.pdf"):
         ratio = stripe_ratio(rendered(SAMPLES / name))
         assert ratio is None or ratio >= CONFIG.sideways_below, name
+
+
+@pytest.mark.skipif(not SAMPLES.is_dir() or not (DEMO / "config.json").is_file(),
+                    reason="needs ../shared/samples/real and models/demo")
+def test_a_model_that_cannot_read_the_page_turns_nothing():
+    """The demo model (synthetic pages only) cannot read the real sideways sheet: its probes are all low, and one
+    of them (the wrong way, upside down) 0.1 above the page as it is; the floor keeps it from turning the page."""
+    from engine.chunk_decode import load_decoder
+    from ingest.orientation import mean_logprob
+
+    decoder = load_decoder(str(DEMO), "cpu", "float32", "lossless")
+    choice = choose_turn(rendered(SAMPLES / "cardinal.pdf", 2), lambda im: mean_logprob(
+        decoder.decode([im], context_limit=32_768, max_new_tokens=CONFIG.probe_tokens).pages[0].logprobs), CONFIG)
+    assert choice.scores is not None and max(choice.scores.values()) < CONFIG.min_logprob
+    assert choice.turn == 0
 
 
 @pytest.mark.skipif(not (DEMO / "config.json").is_file(), reason="models/demo is not in this checkout")
