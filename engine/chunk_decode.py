@@ -160,7 +160,7 @@ def assemble(res: DecodeResult, n_in: int, hit_context: bool, page_sep_id: int |
         else:
             texts = pieces if any(pieces) else []
             requeue = True
-            note = f"model produced {len(texts)} pages for {n_in} input pages; pages {len(texts) + 1}-{n_in} re-queued"
+            note = f"model produced {len(texts)} pages for {n_in} input pages"  # the worker names what it re-queues
         kept_reasons = ["page_separator"] * len(texts)
         if texts and finished and not requeue:
             kept_reasons[-1] = "eos"

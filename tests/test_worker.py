@@ -131,6 +131,7 @@ def test_assemble_keeps_complete_pages_at_the_limit():
     assert out.pages[-1].stats["finish_reason"] == "eos"
     out = assemble(_fake_result("<PAGE>a<PAGE>b", "eos"), 4, hit_context=False)
     assert [p.text for p in out.pages] == ["a", "b"] and out.requeue and "2 pages for 4" in out.note
+    assert "re-queued" not in out.note  # the worker says which pages it re-queues, once
     out = assemble(_fake_result("<PAGE>a<PAGE>b<PAGE>c<PAGE>d<PAGE>e", "eos"), 4, hit_context=False)
     assert len(out.pages) == 4 and out.pages[3].text == "d\n\ne" and "5 pages for 4" in out.pages[3].stats["note"]
     out = assemble(_fake_result("no separator at all, cut", "length"), 4, hit_context=True)
