@@ -112,5 +112,18 @@ def choose_turn(image: Image.Image, probe: Callable[[Image.Image], float], confi
     return TurnChoice(best if keep else 0, ratio, scores, time.perf_counter() - t0)
 
 
-def mean_logprob(logprobs: list[float]) -> float:
-    return sum(logprobs) / len(logprobs) if logprobs else -math.inf
+def decoder_probe(decoder, context_limit: int, tokens: int) -> Callable[[Image.Image], float]:
+    """A ``probe`` for `choose_turn`: ``decoder`` (an engine.chunk_decode.ChunkDecoder) reads the page alone for
+    ``tokens`` tokens; the mean log-probability of what it read (-inf for nothing)."""
+
+    def probe(image: Image.Image) -> float:
+        out = decoder.decode([image], context_limit=context_limit, max_new_tokens=tokens)
+        logprobs = out.pages[0].logprobs if out.pages else []
+        return sum(logprobs) / len(logprobs) if logprobs else -math.inf
+
+    return probe
+
+
+def page_turn(stats: dict | None) -> int:
+    """Degrees clockwise a stored page was turned to be read (0: as it came), from its stats."""
+    return ((stats or {}).get("orientation") or {}).get("turned", 0)

@@ -22,6 +22,7 @@ from sqlalchemy import func, select
 from db.models import Document, Page, Run
 from db.session import Database
 from ingest.errors import UsageError
+from ingest.orientation import page_turn, turn
 from ingest.outputs import page_markdown
 
 THUMB_PX = 220
@@ -60,7 +61,7 @@ def collect_report(db: Database, run_id: int | None = None, grade: str | None = 
             "page_id": page.id, "index": page.page_index, "grade": g, "reasons": q.get("reasons", []),
             "mode": st.get("mode", run.mode), "finish_reason": q.get("finish_reason", st.get("finish_reason")),
             "tau": st.get("tau"), "tokens": tokens, "seconds": seconds,
-            "turned": (st.get("orientation") or {}).get("turned", 0),  # scanned sideways: read turned (clockwise)
+            "turned": page_turn(st),  # scanned sideways: read turned (degrees clockwise)
             "tokens_per_second": round(tokens / seconds, 2) if seconds else None,
             "quality": q, "text": page.text})
     return {"run": {"id": run.id, "mode": run.mode, "model": run.model, "started_at": run.started_at.isoformat(),
@@ -107,7 +108,6 @@ def _thumbnails(original: str | None, kind: str, indexes: list[int],
                 turns: dict[int, int] | None = None) -> dict[int, str]:
     """data: URIs of small JPEG renders of the pages (missing file or render error: none), turned as the model read
     them (``turns``: page index -> degrees clockwise)."""
-    from ingest.orientation import turn
     from ingest.render import render_pages
 
     if not original or not Path(original).exists() or not indexes:

@@ -26,6 +26,7 @@ import pymupdf
 from PIL import Image, ImageSequence
 
 from ingest.files import write_atomic
+from ingest.orientation import page_turn
 from ingest.outputs import page_markdown
 from ingest.render import EXIF_ORIENTATION, UPRIGHT, flatten_to_rgb
 
@@ -99,8 +100,7 @@ def _font(text: str, fonts: dict[str, pymupdf.Font]) -> pymupdf.Font:
 
 
 def _overlay(page: pymupdf.Page, p: dict[str, Any], fonts: dict[str, pymupdf.Font]) -> None:
-    turned = ((p.get("stats") or {}).get("orientation") or {}).get("turned", 0)
-    if turned:  # scanned sideways: shown as the model read it, so its boxes fit the page as displayed
+    if turned := page_turn(p.get("stats")):  # scanned sideways: shown as the model read it, so its boxes fit the page as displayed
         page.set_rotation((page.rotation + turned) % 360)
     if page.get_text("text").strip():
         return  # born digital: it has its own text layer

@@ -44,7 +44,7 @@ from ingest.config import Settings
 from ingest.errors import UflashError
 from ingest.files import file_away, sha256_file
 from ingest.intake import intake_file
-from ingest.orientation import TurnChoice, choose_turn, mean_logprob, turn
+from ingest.orientation import TurnChoice, choose_turn, decoder_probe, turn
 from ingest.outputs import output_folder, page_markdown, write_document_outputs
 from ingest.render import render_pages
 
@@ -202,12 +202,7 @@ class Worker:
         if not o.auto:
             return {}
         config = o.config()
-
-        def probe(image) -> float:
-            out = decoder.decode([image], context_limit=self.settings.engine.context_limit,
-                                 max_new_tokens=config.probe_tokens)
-            return mean_logprob(out.pages[0].logprobs if out.pages else [])
-
+        probe = decoder_probe(decoder, self.settings.engine.context_limit, config.probe_tokens)
         choices = {}
         for page in pages:
             choice = choose_turn(page.image, probe, config)

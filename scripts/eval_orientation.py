@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.chunk_decode import load_decoder  # noqa: E402
-from ingest.orientation import OrientationConfig, choose_turn, mean_logprob, stripe_ratio, turn  # noqa: E402
+from ingest.orientation import OrientationConfig, choose_turn, decoder_probe, stripe_ratio, turn  # noqa: E402
 
 SEED0 = 890_000  # held out: the demo model and its drafter trained on seeds >= 1,000,000
 
@@ -63,12 +63,13 @@ def main(argv=None) -> int:
     config = OrientationConfig(probe_tokens=args.probe_tokens, min_gain=args.min_gain)
     decoder = load_decoder(args.model, args.device, args.dtype, args.mode)
     probe_s = []
+    read = decoder_probe(decoder, 32_768, config.probe_tokens)
 
     def probe(image) -> float:
         t0 = time.perf_counter()
-        out = decoder.decode([image], context_limit=32_768, max_new_tokens=config.probe_tokens)
+        score = read(image)
         probe_s.append(time.perf_counter() - t0)
-        return mean_logprob(out.pages[0].logprobs if out.pages else [])
+        return score
 
     # the page comes in turned `came` clockwise; the right answer turns it back
     ways = {0: 0, 90: 270, 180: 0, 270: 90}  # came -> the turn that makes it upright (180: not detected)
@@ -98,7 +99,8 @@ def main(argv=None) -> int:
         print(f"{came:>11} {row['pages']:>6} {row['probed']:>7} {row['right']:>13} {row['wrong']:>13} "
               f"{row['left']:>5} {row['ratio_min']:>11.2f} - {row['ratio_max']:.2f}")
     record = {"model": args.model, "mode": args.mode, "pages": args.pages, "seeds": f"{SEED0}..",
-              "probe_tokens": config.probe_tokens, "min_gain": config.min_gain, "sideways_below": config.sideways_below,
+              "probe_tokens": config.probe_tokens, "min_gain": config.min_gain, "min_logprob": config.min_logprob,
+              "sideways_below": config.sideways_below,
               "by_way_it_came": {str(k): v for k, v in table.items()}, "probes": len(probe_s),
               "probe_s_mean": round(statistics.fmean(probe_s), 3) if probe_s else None,
               "seconds": round(time.time() - t0, 1)}

@@ -102,11 +102,11 @@ def test_a_model_that_cannot_read_the_page_turns_nothing():
     """The demo model (synthetic pages only) cannot read the real sideways sheet: its probes are all low, and one
     of them (the wrong way, upside down) 0.1 above the page as it is; the floor keeps it from turning the page."""
     from engine.chunk_decode import load_decoder
-    from ingest.orientation import mean_logprob
+    from ingest.orientation import decoder_probe
 
     decoder = load_decoder(str(DEMO), "cpu", "float32", "lossless")
-    choice = choose_turn(rendered(SAMPLES / "cardinal.pdf", 2), lambda im: mean_logprob(
-        decoder.decode([im], context_limit=32_768, max_new_tokens=CONFIG.probe_tokens).pages[0].logprobs), CONFIG)
+    choice = choose_turn(rendered(SAMPLES / "cardinal.pdf", 2), decoder_probe(decoder, 32_768, CONFIG.probe_tokens),
+                         CONFIG)
     assert choice.scores is not None and max(choice.scores.values()) < CONFIG.min_logprob
     assert choice.turn == 0
 
