@@ -37,6 +37,7 @@ class ChunkStatus:
     DONE = "done"
     FAILED = "failed"
     SPLIT = "split"  # output hit the context limit; the remaining pages went to a new chunk
+    CANCELLED = "cancelled"  # reserved for a re-run that ended (stopped or crashed) before decoding it
 
 
 class SchemaVersion(Base):
@@ -97,8 +98,14 @@ class Rejected(Base):
     seen_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class RunEnd:
+    CLOSED = "closed"  # closed by its own process (done, or stopped by a signal)
+    CRASHED = "crashed"  # closed by a later uflash process that found its owner gone
+
+
 class Run(Base):
-    """One pass of a model in one mode; pages point at the run that produced them."""
+    """One pass of a model in one mode; pages point at the run that produced them. Open while ``finished_at`` is
+    None; ``end_reason`` (RunEnd) says how it was closed."""
 
     __tablename__ = "runs"
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -106,9 +113,11 @@ class Run(Base):
     model: Mapped[str] = mapped_column(Text)
     engine_version: Mapped[str] = mapped_column(String(32))
     host: Mapped[str | None] = mapped_column(String(255), default=None)
+    owner: Mapped[str | None] = mapped_column(String(255), default=None)  # host:pid:started (ingest.owners)
     settings: Mapped[dict[str, Any] | None] = mapped_column(default=None)
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
+    end_reason: Mapped[str | None] = mapped_column(String(16), default=None)
 
 
 class Chunk(Base):

@@ -10,6 +10,8 @@ Contract (what every function here keeps true):
   some documents (``uflash run FILE...`` takes only the chunks of the documents it was given).
 - A lease is (owner, expiry). Only the owner may renew, complete or fail it, and only while it holds it:
   a worker whose lease was taken over gets ``False`` back and must drop its result.
+- A lease whose owner process is known to be gone (``end_leases_of_gone_owners``: same host, process ended)
+  ends at once; leases of other owners end when they expire.
 - A chunk whose attempts reach ``max_attempts`` ends ``failed`` with its last error; earlier failures go
   back to ``queued`` after ``backoff * 2**(attempts-1)`` seconds.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from loguru import logger
@@ -116,6 +118,23 @@ def _held(claim_or_id: Claim | int, owner: str | None = None):
     cid = claim_or_id.chunk_id if isinstance(claim_or_id, Claim) else claim_or_id
     own = claim_or_id.owner if isinstance(claim_or_id, Claim) else owner
     return and_(T.c.id == cid, T.c.lease_owner == own, T.c.status == ChunkStatus.RUNNING)
+
+
+def end_leases_of_gone_owners(db: Database, is_gone: Callable[[str | None], bool], now: float | None = None) -> int:
+    """End now the leases held by owner processes that are gone (``is_gone``, e.g. a worker killed on this host),
+    so that the next claim takes their chunks over at once instead of when the lease runs out. Returns how many
+    chunks were released this way."""
+    now = time.time() if now is None else now
+    with db.session() as s:
+        owners = s.scalars(select(T.c.lease_owner).where(
+            T.c.status == ChunkStatus.RUNNING, T.c.lease_expires_at >= now).distinct()).all()
+    gone = [o for o in owners if is_gone(o)]
+    if not gone:
+        return 0
+    with db.engine.begin() as conn:
+        return conn.execute(update(T).where(
+            T.c.status == ChunkStatus.RUNNING, T.c.lease_owner.in_(gone), T.c.lease_expires_at >= now)
+            .values(lease_expires_at=now - 0.001)).rowcount
 
 
 def heartbeat(db: Database, c: Claim, lease_seconds: float) -> bool:

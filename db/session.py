@@ -14,15 +14,27 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from sqlalchemy import Connection, Engine, create_engine, event, func, select
+from sqlalchemy import Connection, Engine, create_engine, event, func, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from db.models import Base, SchemaVersion
+from db.models import Base, Run, RunEnd, SchemaVersion
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+
+
+def _v2_run_owner_and_end(conn: Connection) -> None:
+    """runs.owner (was only in runs.settings) and runs.end_reason: a run left open by a process that died can be
+    found and closed as crashed. Runs already finished were closed by their own process."""
+    conn.execute(text("ALTER TABLE runs ADD COLUMN owner VARCHAR(255)"))
+    conn.execute(text("ALTER TABLE runs ADD COLUMN end_reason VARCHAR(16)"))
+    runs = Run.__table__
+    for rid, settings, finished in conn.execute(select(runs.c.id, runs.c.settings, runs.c.finished_at)).all():
+        conn.execute(update(runs).where(runs.c.id == rid).values(
+            owner=(settings or {}).get("owner"), end_reason=RunEnd.CLOSED if finished is not None else None))
+
 
 # version -> function(connection) that upgrades from version-1. Add an entry with every schema change.
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {2: _v2_run_owner_and_end}
 
 
 class SchemaTooNew(RuntimeError):

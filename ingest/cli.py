@@ -228,11 +228,13 @@ def cmd_rerun(settings: Settings, args: argparse.Namespace) -> int:
           f"earlier run(s) {', '.join(map(str, res.earlier_runs))}")
     for f in res.failed:
         print(f"failed  {f}")
+    for c in res.cancelled:
+        print(f"not run {c}: stopped before it was decoded (`uflash rerun` again picks it)")
     if res.run_id is not None:
         _write_report(settings, db, res.run_id)
         for earlier in res.earlier_runs:
             print(f"compare uflash diff {earlier} {res.run_id}")
-    return 4 if res.failed else 0
+    return 4 if res.failed else 130 if res.cancelled else 0
 
 
 def cmd_diff(settings: Settings, args: argparse.Namespace) -> int:

@@ -13,17 +13,19 @@ import base64
 import html
 import io
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
 from loguru import logger
 from sqlalchemy import func, select
 
-from db.models import Document, Page, Run
+from db.models import Document, Page, Run, RunEnd
 from db.session import Database
 from ingest.errors import UsageError
 from ingest.orientation import page_turn, turn
 from ingest.outputs import page_markdown
+from ingest.owners import is_gone
 
 THUMB_PX = 220
 
@@ -66,7 +68,7 @@ def collect_report(db: Database, run_id: int | None = None, grade: str | None = 
             "quality": q, "text": page.text})
     return {"run": {"id": run.id, "mode": run.mode, "model": run.model, "started_at": run.started_at.isoformat(),
                     "finished_at": run.finished_at.isoformat() if run.finished_at else None,
-                    "settings": run.settings},
+                    "end_reason": run.end_reason, "owner": run.owner, "settings": run.settings},
             "documents": list(docs.values()), "pages": sum(len(d["pages"]) for d in docs.values()), "grades": grades}
 
 
@@ -78,8 +80,16 @@ def format_report(rep: dict[str, Any]) -> str:
     if rep["run"] is None:
         return "no pages stored yet"
     r = rep["run"]
-    span = f"started {_when(r['started_at'])}, " + (f"finished {_when(r['finished_at'])}" if r.get("finished_at")
-                                                    else "not finished: still running, or stopped by a crash")
+    if r.get("end_reason") == RunEnd.CRASHED:
+        end = f"stopped by a crash after {_when(r['finished_at'])}"
+    elif r.get("finished_at"):
+        end = f"finished {_when(r['finished_at'])}"
+    else:
+        host = (r.get("owner") or "").partition(":")[0]
+        end = "not finished: its process is gone (crashed or killed)" if is_gone(r.get("owner")) else \
+            "not finished: still running" if host == socket.gethostname() else \
+            f"not finished: still running on {host or 'another host'}, or stopped by a crash there"
+    span = f"started {_when(r['started_at'])}, {end}"
     lines = [f"run {r['id']} ({r['mode']}, {r['model']}; {span}): {rep['pages']} pages  "
              + "  ".join(f"{g} {n}" for g, n in sorted(rep["grades"].items()))]
     for d in rep["documents"]:

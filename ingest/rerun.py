@@ -112,13 +112,14 @@ class RerunResult:
     chunks: list[int]
     pages: int
     failed: list[str]
+    cancelled: list[str]  # chunks not decoded because the re-run was stopped (db.runs cancels them)
 
 
 def rerun(settings: Settings, db: Database, make_worker: Callable[..., Any], stop: threading.Event,
           grade: str | None = None, doc_id: int | None = None, pages: tuple[int, int] | None = None) -> RerunResult:
     picked = select_pages(db, grade, doc_id, pages)
     if not picked:
-        return RerunResult(None, [], [], 0, [])
+        return RerunResult(None, [], [], 0, [], [])
     earlier = sorted({p.run_id for p in picked})
     plan = plan_chunks(db, picked)
     worker = make_worker(settings, db, fresh_run={"rerun_of": earlier, "rerun_pages": len(picked)})
@@ -139,10 +140,12 @@ def rerun(settings: Settings, db: Database, make_worker: Callable[..., Any], sto
         worker.close_run()
     with db.session() as s:
         ids = list(s.scalars(select(Chunk.id).where(Chunk.run_id == run_id)))
-        failed = [f"pages {c.first_page}-{c.last_page} of document {c.document_id}: {c.last_error}"
-                  for c in s.scalars(select(Chunk).where(Chunk.run_id == run_id, Chunk.status == ChunkStatus.FAILED))]
+        left = {st: [f"pages {c.first_page}-{c.last_page} of document {c.document_id}" + (
+                    f": {c.last_error}" if st == ChunkStatus.FAILED else "")
+                     for c in s.scalars(select(Chunk).where(Chunk.run_id == run_id, Chunk.status == st))]
+                for st in (ChunkStatus.FAILED, ChunkStatus.CANCELLED)}
     logger.info("re-run {}: {} pages in {} chunks", run_id, len(picked), len(ids))
-    return RerunResult(run_id, earlier, ids, len(picked), failed)
+    return RerunResult(run_id, earlier, ids, len(picked), left[ChunkStatus.FAILED], left[ChunkStatus.CANCELLED])
 
 
 def diff_runs(db: Database, run_a: int, run_b: int) -> dict[str, Any]:

@@ -11,8 +11,10 @@ into the same stats).
 
 Every worker has its own run (one ``uflash run``, one ``uflash watch`` process, one re-run): opened when it decodes
 its first chunk, closed (``finished_at``) by ``close_run()`` when the command ends, Ctrl+C and SIGTERM included.
-Each page records the run that produced it. A worker killed outright leaves its run open; later workers never
-reuse an open run, so that changes nothing for them. A worker given ``document_ids`` (``uflash run FILE...``)
+Each page records the run that produced it. A worker killed outright leaves its run open and its chunk leased;
+the next worker on the same host finds its process gone (ingest.owners), takes the chunk over at once and
+closes the run as crashed (db.runs: chunks still reserved for it are cancelled). Later workers never reuse an
+open run. A worker given ``document_ids`` (``uflash run FILE...``)
 claims and finishes only those documents. A re-run worker (``fresh_run``) claims only the chunks reserved for
 its run (queued with that run_id; chunks it splits off stay reserved), with the earlier output of the same pages
 as its draft, and rewrites the document outputs.
@@ -20,7 +22,6 @@ as its draft, and rewrites the document outputs.
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import time
@@ -35,7 +36,9 @@ from sqlalchemy import func, select, true, update
 
 import engine
 from db.models import Chunk, ChunkStatus, DocStatus, Document, Page, Run
-from db.queue import Claim, Heartbeat, among, claim, complete, fail, refresh_document, release
+from db.queue import (Claim, Heartbeat, among, claim, complete, end_leases_of_gone_owners, fail, refresh_document,
+                      release)
+from db.runs import close_run, close_runs_of_gone_owners
 from db.session import Database
 from engine.chunk_decode import ChunkDecoder, ChunkOutput
 from engine.model import ModelLoadError, ModelNotFound
@@ -46,6 +49,7 @@ from ingest.files import file_away, sha256_file
 from ingest.intake import intake_file
 from ingest.orientation import TurnChoice, choose_turn, decoder_probe, turn
 from ingest.outputs import output_folder, page_markdown, write_document_outputs
+from ingest.owners import is_gone, this_process
 from ingest.render import render_pages
 
 
@@ -69,7 +73,7 @@ class Worker:
     settings: Settings
     db: Database
     make_decoder: Callable[[], ChunkDecoder]
-    owner: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    owner: str = field(default_factory=this_process)
     on_pages: Callable[[int], None] | None = None  # progress callback: pages finished
     fresh_run: dict[str, Any] | None = None  # a re-run: its run records these settings; its own chunks only
     document_ids: frozenset[int] | None = None  # only these documents' chunks (uflash run FILE...); None: any
@@ -94,8 +98,8 @@ class Worker:
             d = self.decoder()
             with self.db.session() as s, s.begin():
                 run = Run(mode=d.mode, model=d.model_name, engine_version=engine.__version__,
-                          host=socket.gethostname(),
-                          settings={**d.describe(), "owner": self.owner, **(self.fresh_run or {})})
+                          host=socket.gethostname(), owner=self.owner,
+                          settings={**d.describe(), **(self.fresh_run or {})})
                 s.add(run)
                 s.flush()
                 self._run_id = run.id
@@ -103,13 +107,45 @@ class Worker:
 
     def close_run(self) -> int | None:
         """Close this worker's run (``finished_at``), if it opened one, and return its id. Work after this
-        opens a new run."""
+        opens a new run. A re-run stopped before its end cancels the chunks still reserved for it (db.runs) and
+        rewrites the outputs of the documents it re-decoded pages of."""
         run_id, self._run_id = self._run_id, None
         if run_id is not None:
             with self.db.engine.begin() as conn:
-                conn.execute(update(Run.__table__).where(Run.id == run_id, Run.finished_at.is_(None))
-                             .values(finished_at=datetime.now(timezone.utc)))
+                docs = close_run(conn, run_id)
+            if docs:
+                logger.warning("run {} stopped before it finished: its chunks left in {} document(s) are cancelled; "
+                               "`uflash rerun` again picks their pages", run_id, len(docs))
+            self._finalize_rerun(run_id, docs)
         return run_id
+
+    def end_what_the_gone_left(self) -> None:
+        """Leases and runs of uflash processes on this host that are gone (killed, crashed, the machine rebooted):
+        their chunks are taken over now rather than when the lease runs out, and their runs are closed as
+        crashed (a re-run's chunks still reserved for it are cancelled, and the documents it re-decoded pages of
+        are rewritten)."""
+        for run_id, docs in close_runs_of_gone_owners(self.db, is_gone).items():
+            logger.warning("run {} was left open by a uflash process that is gone: closed as crashed{}", run_id,
+                           f"; its chunks left in {len(docs)} document(s) are cancelled" if docs else "")
+            self._finalize_rerun(run_id, docs)
+        if n := end_leases_of_gone_owners(self.db, is_gone):
+            logger.warning("{} chunk(s) leased by uflash processes that are gone: taken over now", n)
+
+    def _finalize_rerun(self, run_id: int, doc_ids: list[int]) -> None:
+        """Rewrite the outputs of the finished documents (of this worker's) that ``run_id`` stored pages of, now that
+        the chunks it left were cancelled: the outputs show each page's latest version."""
+        mine = [d for d in doc_ids if self.document_ids is None or d in self.document_ids]
+        if not mine:
+            return
+        with self.db.session() as s:
+            redone = s.scalars(select(Page.document_id).where(Page.run_id == run_id, among(Page.document_id, mine))
+                               .join(Document, Document.id == Page.document_id)
+                               .where(Document.status == DocStatus.DONE).distinct()).all()
+        for doc_id in redone:
+            with self.db.engine.begin() as conn:
+                ready = refresh_document(conn, doc_id) == "ready"
+            if ready:
+                self.finalize(doc_id)
 
     # -- the loop --------------------------------------------------------------------------------
     def serve(self, stop: threading.Event, until: Callable[[], bool] | None = None) -> None:
@@ -119,6 +155,7 @@ class Worker:
         while not stop.is_set():
             if until is not None and until():
                 return
+            self.end_what_the_gone_left()
             c = claim(self.db, self.owner, w.lease_seconds, w.max_attempts,
                       run_id=self.run_id() if self.fresh_run is not None else None, document_ids=self.document_ids)
             if c is None:

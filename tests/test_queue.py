@@ -1,5 +1,6 @@
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -7,11 +8,12 @@ import time
 from pathlib import Path
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from db.models import Chunk, ChunkStatus, Document
-from db.queue import claim, complete, fail, heartbeat, release
+from db.queue import claim, complete, end_leases_of_gone_owners, fail, heartbeat, release
 from db.session import Database
+from ingest.owners import is_gone, this_process
 from tests.conftest import ROOT
 from tests.pg_server import start_postgres
 
@@ -198,3 +200,72 @@ def test_status_names_who_holds_the_running_chunks_and_flags_expired_leases(tmp_
     (dead,) = [line for line in text.splitlines() if "host:222" in line]
     assert "1 chunk(s) leased by host:111 until" in alive and "expired" not in alive
     assert "expired" in dead
+
+
+# -- owners that are gone: their leases end at once ------------------------------------------------------------------
+
+def _dead_process_owner() -> str:
+    """The owner string of a process that ran on this host and has ended."""
+    import psutil
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    owner = f"{socket.gethostname()}:{child.pid}:{int(psutil.Process(child.pid).create_time())}"
+    assert not is_gone(owner)  # alive
+    child.kill()
+    child.wait()
+    return owner
+
+
+def test_an_owner_is_gone_only_when_this_host_knows_its_process_ended():
+    host, pid = socket.gethostname(), os.getpid()
+    me = this_process()
+    assert me.startswith(f"{host}:{pid}:") and not is_gone(me)
+    assert is_gone(_dead_process_owner())
+    started = int(me.rsplit(":", 1)[1])
+    assert is_gone(f"{host}:{pid}:{started - 3600}")  # this pid, given to an earlier process (e.g. before a reboot)
+    assert is_gone(f"{host}:{pid}")  # an older uflash's owner (no start time) with this pid: not this process
+    for unknown in (f"otherhost:{pid}:{started - 3600}", "otherhost:1", f"{host}:{os.getppid()}", None, "", "holder"):
+        assert not is_gone(unknown), unknown  # another host, an older uflash's owner whose pid lives, or no owner
+
+
+def test_the_lease_of_an_owner_that_is_gone_ends_at_once(any_db):
+    db = any_db
+    add_document(db, 2)
+    dead = _dead_process_owner()
+    assert claim(db, dead, lease_seconds=300, max_attempts=3)
+    assert claim(db, this_process(), lease_seconds=300, max_attempts=3)
+    assert claim(db, "rescuer", lease_seconds=300, max_attempts=3) is None  # both leases run for 5 more minutes
+    assert end_leases_of_gone_owners(db, is_gone) == 1
+    c = claim(db, "rescuer", lease_seconds=300, max_attempts=3)
+    assert (c.first_page, c.attempts) == (1, 2)  # the dead owner's chunk, at once, as its second attempt
+    assert end_leases_of_gone_owners(db, is_gone) == 0  # the live owner keeps its lease
+    assert claim(db, "rescuer", lease_seconds=300, max_attempts=3) is None
+
+
+def test_a_version_1_ledger_is_migrated_to_run_owners_and_ends(any_db):
+    """Version 2 added runs.owner (from runs.settings) and runs.end_reason; a version 1 ledger is upgraded on open."""
+    from sqlalchemy import text
+
+    from db.models import Run, SchemaVersion
+    from db.session import SCHEMA_VERSION
+
+    db = any_db
+    with db.engine.begin() as conn:
+        conn.execute(text("ALTER TABLE runs DROP COLUMN owner"))
+        conn.execute(text("ALTER TABLE runs DROP COLUMN end_reason"))
+        conn.execute(SchemaVersion.__table__.delete())
+        conn.execute(SchemaVersion.__table__.insert().values(version=1))
+        for i, finished in ((1, "2026-12-01 10:00:00+00:00"), (2, None)):
+            conn.execute(text("INSERT INTO runs (id, mode, model, engine_version, settings, started_at, finished_at) "
+                              "VALUES (:i, 'lossless', 'm', '1', :s, '2026-12-01 09:00:00+00:00', :f)"),
+                         {"i": i, "s": f'{{"owner": "host:{i}"}}', "f": finished})
+    url = db.url
+    db.dispose()
+    again = Database(url)
+    try:
+        with again.session() as s:
+            assert s.scalar(select(func.max(SchemaVersion.version))) == SCHEMA_VERSION == 2
+            runs = s.scalars(select(Run).order_by(Run.id)).all()
+        assert [(r.owner, r.end_reason) for r in runs] == [("host:1", "closed"), ("host:2", None)]
+    finally:
+        again.dispose()

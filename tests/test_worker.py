@@ -253,50 +253,72 @@ def test_missing_and_corrupt_weights_give_readable_reasons(tmp_path, tiny_model_
     assert r.returncode == 3 and "cannot load weights" in r.stderr and "Traceback" not in r.stderr
 
 
+def start_uflash(cfg, *args) -> subprocess.Popen:
+    """``uflash --config CFG ARGS`` as a child process; its output lines collect in ``proc.lines`` (all of them once
+    ``proc.reader`` has ended)."""
+    proc = subprocess.Popen([sys.executable, "-m", "ingest.cli", "--config", str(cfg), *args], cwd=ROOT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    proc.lines = []
+    proc.reader = threading.Thread(target=lambda: proc.lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    proc.reader.start()
+    return proc
+
+
+def freeze_while(proc, db, holding) -> list:
+    """Freeze ``proc`` (SIGSTOP) at a moment when ``holding(session)`` returns running chunks (the tiny model decodes
+    a chunk in well under a second, so the queue itself is watched); returns them, seen while frozen."""
+    deadline, running = time.monotonic() + 120, []
+    while not running and time.monotonic() < deadline and proc.poll() is None:
+        with db.session() as ss:  # a session holds SQLite's write lock (BEGIN IMMEDIATE): never sleep inside one
+            seen = holding(ss)
+        if not seen:
+            time.sleep(0.005)
+            continue
+        os.kill(proc.pid, signal.SIGSTOP)
+        with db.session() as ss:
+            running = holding(ss)
+        if not running:  # it finished between the two looks: let it go on to the next chunk
+            os.kill(proc.pid, signal.SIGCONT)
+    assert running, "the process was never seen holding a chunk\n" + "".join(proc.lines)
+    return running
+
+
 def test_worker_killed_mid_chunk_redoes_it_once(tmp_path, tiny_model_dir):
+    """A watcher killed outright (SIGKILL) mid-chunk: the restart takes the chunk over at once (its owner's process
+    is gone), although the lease has most of its 300 s left, redoes it once, and closes the killed run as crashed."""
     cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_tokens_per_page": 100, "max_pages_per_chunk": 2},
-                        worker={"lease_seconds": 3.0, "heartbeat_seconds": 1.0})
+                        worker={"lease_seconds": 300.0, "heartbeat_seconds": 1.0})
     s = load_settings(cfg)
     s.ensure_folders()
     make_pdf(s.inbox / "four.pdf", 4)
-    proc = subprocess.Popen([sys.executable, "-m", "ingest.cli", "--config", str(cfg), "watch"], cwd=ROOT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
-    # The tiny model decodes a chunk in ~0.2 s: watch the queue itself, freeze the worker (SIGSTOP) the moment it
-    # holds a chunk with the model loaded (its run opened), confirm the chunk is still running while frozen, then
-    # kill it for real (SIGKILL).
+    proc = start_uflash(cfg, "watch")
     db = Database(s.database_url)
-    deadline, running = time.monotonic() + 120, []
-    while not running and time.monotonic() < deadline and proc.poll() is None:
-        with db.session() as ss:
-            if ss.scalars(select(Chunk).where(Chunk.status == ChunkStatus.RUNNING)).first() is None \
-                    or ss.scalar(select(Run.id)) is None:
-                time.sleep(0.005)
-                continue
-        os.kill(proc.pid, signal.SIGSTOP)
-        with db.session() as ss:
-            running = ss.scalars(select(Chunk).where(Chunk.status == ChunkStatus.RUNNING)).all()
-        if not running:  # it finished between the two looks: let it go on to the next chunk
-            os.kill(proc.pid, signal.SIGCONT)
-    assert running, "the worker was never seen holding a chunk\n" + "".join(lines)
+    # frozen the moment it holds a chunk with the model loaded (its run opened), then killed for real
+    freeze_while(proc, db, lambda ss: ss.scalar(select(Run.id)) is not None and ss.scalars(
+        select(Chunk).where(Chunk.status == ChunkStatus.RUNNING)).all())
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
     with db.session() as ss:
         running = ss.scalars(select(Chunk).where(Chunk.status == ChunkStatus.RUNNING)).all()
-    assert len(running) == 1, "the killed worker held a lease"
+        assert len(running) == 1 and running[0].lease_expires_at > time.time() + 200, "the killed worker held a lease"
+    st = uflash("--config", str(cfg), "status").stdout
+    assert "its worker is gone: the next worker takes it over at once" in st and "its process is gone" in st, st
+    started = time.monotonic()
     r = uflash("--config", str(cfg), "run", timeout=600)  # restart: takes the inbox file again
     assert r.returncode == 0, r.stdout + r.stderr
+    assert time.monotonic() - started < 120, "the restart waited for the dead worker's lease"
+    assert "leased by uflash processes that are gone: taken over now" in r.stderr
     with db.session() as ss:
         doc = ss.scalar(select(Document))
         chunks = ss.scalars(select(Chunk)).all()
     assert doc.status == "done"
     assert [n for _, n in pages_in_db(db, doc.id)] == [1] * 4
     assert max(c.attempts for c in chunks) == 2  # the killed chunk was redone once
-    # The killed watcher's run stays open; the restart did not reuse it: its own run, closed, with the redone chunk.
+    # The restart closed the killed watcher's run as crashed, and did not reuse it: its own run has the redone chunk.
     killed, restart = runs_in_db(db)
-    assert killed.finished_at is None and restart.finished_at is not None
+    assert (killed.end_reason, restart.end_reason) == ("crashed", "closed") and restart.finished_at is not None
+    assert killed.finished_at is not None  # the time of its last stored page (or its start)
     redone = next(c for c in chunks if c.attempts == 2)
     assert redone.run_id == restart.id
     assert {(doc.id, i) for i in redone.pages} <= set(pages_of_run(db, restart.id))
@@ -304,6 +326,84 @@ def test_worker_killed_mid_chunk_redoes_it_once(tmp_path, tiny_model_dir):
     assert rep["run"]["id"] == restart.id
     assert sorted(p["index"] for d in rep["documents"] for p in d["pages"]) == \
         [i for _, i in pages_of_run(db, restart.id)]
+    if pages_of_run(db, killed.id):
+        assert "stopped by a crash after" in uflash("--config", str(cfg), "report", "--run", str(killed.id),
+                                                    "--no-html").stdout
+    assert "open:" not in uflash("--config", str(cfg), "status").stdout
+
+
+def _rerun_chunks(ss, run_id, status):
+    return ss.scalars(select(Chunk).where(Chunk.run_id == run_id, Chunk.status == status)).all()
+
+
+def _rerun_frozen(tmp_path, tiny_model_dir, pages_stored):
+    """six.pdf decoded by `uflash run` (run 1, a chunk per page), then `uflash rerun --doc 1` started and frozen
+    while it holds a chunk, once it stored ``pages_stored`` pages (run 2). Returns (cfg, settings, db, proc)."""
+    cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_tokens_per_page": 100, "max_pages_per_chunk": 1})
+    s = load_settings(cfg)
+    s.ensure_folders()
+    r = uflash("--config", str(cfg), "run", str(make_pdf(s.inbox / "six.pdf", 6)), timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    db = Database(s.database_url)
+    proc = start_uflash(cfg, "rerun", "--doc", "1")
+    freeze_while(proc, db, lambda ss: len(ss.scalars(select(Page).where(Page.run_id == 2)).all())
+                 >= pages_stored and _rerun_chunks(ss, 2, ChunkStatus.RUNNING))
+    return cfg, s, db, proc
+
+
+def test_a_rerun_killed_mid_way_is_closed_and_the_next_rerun_finishes_the_document(tmp_path, tiny_model_dir):
+    """`uflash rerun` killed (SIGKILL) after re-decoding two pages: its chunks stay reserved for a run nobody will
+    continue. Before, they stayed pending for ever, and a later re-run of the same pages decoded them all but never
+    rewrote the document (a pending chunk kept it from being finished). Now the next worker closes the killed run
+    as crashed, cancels what it left (kept, with a note), and the document outputs show every page's latest text."""
+    cfg, s, db, proc = _rerun_frozen(tmp_path, tiny_model_dir, pages_stored=2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    with db.session() as ss:
+        redone = sorted(ss.scalars(select(Page.page_index).where(Page.run_id == 2)).all())
+    assert 2 <= len(redone) < 6
+    st = uflash("--config", str(cfg), "status").stdout
+    assert "open:      re-run 2 (lossless)" in st and "its process is gone" in st, st
+    r = uflash("--config", str(cfg), "rerun", "--doc", "1", "--pages", f"{len(redone) + 1}-6", timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "run 2 was left open by a uflash process that is gone: closed as crashed" in r.stderr
+    with db.session() as ss:
+        killed = ss.get(Run, 2)
+        assert killed.end_reason == "crashed"
+        assert killed.finished_at.replace(tzinfo=None) == max(
+            p.created_at for p in ss.scalars(select(Page).where(Page.run_id == 2))).replace(tzinfo=None)
+        cancelled = _rerun_chunks(ss, 2, ChunkStatus.CANCELLED)
+        assert [c.first_page for c in cancelled] == list(range(len(redone) + 1, 7))
+        assert all("`uflash rerun` again picks them" in c.note for c in cancelled)
+        assert ss.scalar(select(func.count()).select_from(Chunk).where(
+            Chunk.status.in_([ChunkStatus.QUEUED, ChunkStatus.RUNNING]))) == 0
+    doc = json.loads((s.outbox / "six" / "document.json").read_text(encoding="utf-8"))
+    assert [p["run_id"] for p in doc["pages"]] == [2] * len(redone) + [3] * (6 - len(redone))
+    rep = uflash("--config", str(cfg), "report", "--run", "2", "--no-html").stdout
+    assert "stopped by a crash after" in rep, rep
+    st = uflash("--config", str(cfg), "status").stdout
+    assert "open:" not in st and "running:" not in st and "cancelled" in st, st
+
+
+def test_a_rerun_stopped_by_a_signal_cancels_what_it_left_and_rewrites_the_document(tmp_path, tiny_model_dir):
+    """SIGTERM during `uflash rerun`: the chunk in hand is finished, the rest is cancelled (not left reserved for a
+    closed run), the command says which pages were not re-run and exits 130, and the document shows the pages it
+    did re-run."""
+    cfg, s, db, proc = _rerun_frozen(tmp_path, tiny_model_dir, pages_stored=1)
+    os.kill(proc.pid, signal.SIGTERM)
+    os.kill(proc.pid, signal.SIGCONT)
+    assert proc.wait(timeout=120) == 130, "".join(proc.lines)
+    proc.reader.join(timeout=10)
+    out = "".join(proc.lines)
+    with db.session() as ss:
+        run = ss.get(Run, 2)
+        redone = sorted(ss.scalars(select(Page.page_index).where(Page.run_id == 2)).all())
+        cancelled = [c.first_page for c in _rerun_chunks(ss, 2, ChunkStatus.CANCELLED)]
+    assert run.end_reason == "closed" and 2 <= len(redone) < 6, out
+    assert redone + cancelled == list(range(1, 7))
+    assert all(f"not run pages {i}-{i} of document 1: stopped before it was decoded" in out for i in cancelled), out
+    doc = json.loads((s.outbox / "six" / "document.json").read_text(encoding="utf-8"))
+    assert [p["run_id"] for p in doc["pages"]] == [2 if i in redone else 1 for i in range(1, 7)]
 
 
 @pytest.mark.skipif(not (ROOT.parent / "shared" / "samples" / "real").is_dir(), reason="shared samples absent")
@@ -504,15 +604,6 @@ def test_run_decodes_only_the_named_files_and_each_run_is_its_own(tmp_path, tiny
     assert "report  " not in r.stdout and len(runs_in_db(db)) == 2  # nothing decoded: no run, no report
 
 
-def start_full_watch(cfg):
-    proc = subprocess.Popen([sys.executable, "-m", "ingest.cli", "--config", str(cfg), "watch"], cwd=ROOT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    proc.lines = []
-    threading.Thread(target=lambda: proc.lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
-    return proc
-
-
 def test_each_watch_process_is_its_own_run_closed_on_sigterm_and_sigint(tmp_path, tiny_model_dir):
     """Two `uflash watch` processes one after the other, each given one file: two runs, each closed when its
     process stops (SIGTERM, then SIGINT), each holding its own document's pages only."""
@@ -521,7 +612,7 @@ def test_each_watch_process_is_its_own_run_closed_on_sigterm_and_sigint(tmp_path
     s.ensure_folders()
     db = Database(s.database_url)
     for name, sig in (("first", signal.SIGTERM), ("second", signal.SIGINT)):
-        proc = start_full_watch(cfg)
+        proc = start_uflash(cfg, "watch")
         try:
             make_pdf(tmp_path / "drop" / f"{name}.pdf", 2).rename(s.inbox / f"{name}.pdf")
             deadline = time.monotonic() + 300
@@ -552,7 +643,7 @@ def test_a_long_running_watch_closes_a_run_and_writes_its_report_each_time_the_q
     s = load_settings(cfg)
     s.ensure_folders()
     db = Database(s.database_url)
-    proc = start_full_watch(cfg)
+    proc = start_uflash(cfg, "watch")
     try:
         for n, name in enumerate(("evening", "morning"), start=1):
             make_pdf(tmp_path / "drop" / f"{name}.pdf", 2).rename(s.inbox / f"{name}.pdf")

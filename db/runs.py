@@ -1,0 +1,63 @@
+"""Closing runs, and what a run leaves behind when it ends early.
+
+Contract:
+- A run is open while ``finished_at`` is None. Its own process closes it (``end_reason`` closed) when its command
+  ends, Ctrl+C and SIGTERM included. A run whose owner process is gone (killed, crashed, the machine rebooted)
+  is closed by the next uflash process that finds it (``end_reason`` crashed, ``finished_at`` = the time of its
+  last stored page, or its start when it stored none).
+- Chunks reserved for a run (a re-run's: ``run_id`` set while queued) are taken by that run only. When the run
+  ends with some of them still queued or running, they are **cancelled** (kept, with a note; never deleted):
+  nothing else would ever take them, and while pending they would keep their document from being finished by
+  any later run. Running ``uflash rerun`` again re-picks those pages.
+- Chunks of ordinary runs are not reserved (they get their run_id when they complete), so closing a run never
+  touches them: a dead worker's chunk is retaken through its lease (db.queue).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime, timezone
+
+from sqlalchemy import Connection, func, literal, select, update
+
+from db.models import Chunk, ChunkStatus, Page, Run, RunEnd
+from db.session import Database
+
+C = Chunk.__table__
+R = Run.__table__
+
+
+def close_run(conn: Connection, run_id: int, reason: str = RunEnd.CLOSED,
+              finished_at: datetime | None = None) -> list[int]:
+    """Close ``run_id`` if it is still open and cancel the chunks still reserved for it, inside the caller's
+    transaction. Returns the ids of the documents that had chunks cancelled (sorted; empty when the run was
+    already closed or left nothing)."""
+    closed = conn.execute(update(R).where(R.c.id == run_id, R.c.finished_at.is_(None)).values(
+        finished_at=finished_at or datetime.now(timezone.utc), end_reason=reason)).rowcount
+    if not closed:
+        return []
+    how = "stopped" if reason == RunEnd.CLOSED else "was left by a process that is gone (crashed or killed)"
+    rows = conn.execute(
+        update(C).where(C.c.run_id == run_id, C.c.status.in_([ChunkStatus.QUEUED, ChunkStatus.RUNNING]))
+        .values(status=ChunkStatus.CANCELLED, lease_owner=None, lease_expires_at=None,
+                note=func.coalesce(C.c.note + literal("; "), literal(""))
+                + literal(f"cancelled: its re-run (run {run_id}) {how} before decoding these pages; "
+                          f"`uflash rerun` again picks them"))
+        .returning(C.c.document_id)
+    ).all()
+    return sorted({doc_id for (doc_id,) in rows})
+
+
+def close_runs_of_gone_owners(db: Database, is_gone: Callable[[str | None], bool]) -> dict[int, list[int]]:
+    """Close, as crashed, every open run whose owner process is gone. Returns run id -> the documents that had
+    chunks cancelled (see ``close_run``)."""
+    with db.session() as s:
+        open_runs = s.execute(select(Run.id, Run.owner, Run.started_at).where(Run.finished_at.is_(None))).all()
+    out = {}
+    for run_id, owner, started_at in open_runs:
+        if not is_gone(owner):
+            continue
+        with db.engine.begin() as conn:
+            last_page = conn.scalar(select(func.max(Page.created_at)).where(Page.run_id == run_id))
+            out[run_id] = close_run(conn, run_id, RunEnd.CRASHED, last_page or started_at)
+    return out
