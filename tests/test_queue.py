@@ -269,3 +269,36 @@ def test_a_version_1_ledger_is_migrated_to_run_owners_and_ends(any_db):
         assert [(r.owner, r.end_reason) for r in runs] == [("host:1", "closed"), ("host:2", None)]
     finally:
         again.dispose()
+
+
+def test_status_shows_pages_decoded_pages_left_and_when_they_should_be_done(tmp_path):
+    """A 10-page document, 4 pages stored by a run opened 2 hours ago (2 pages an hour): 6 pages left, about 3 h.
+    A run whose process is gone gives no pace."""
+    from datetime import datetime, timedelta, timezone
+
+    from db.models import Page, Run
+    from ingest.status import collect_status, format_status
+
+    db = Database(f"sqlite:///{tmp_path / 'q.db'}")
+    doc = add_document(db, 10, "long.pdf")
+    started = datetime.now(timezone.utc) - timedelta(hours=2)
+    with db.session() as s, s.begin():
+        s.add(Run(id=1, mode="lossless", model="m", engine_version="1", owner=this_process(), started_at=started))
+        s.add(Run(id=2, mode="lossless", model="m", engine_version="1", owner=_dead_process_owner(),
+                  started_at=started))
+        s.flush()
+        s.add_all(Page(document_id=doc, run_id=1, page_index=i) for i in range(1, 5))
+        s.add(Page(document_id=doc, run_id=2, page_index=4))  # the same page again: counted once as decoded
+        for c in s.scalars(select(Chunk).where(Chunk.first_page <= 4)):
+            c.status = ChunkStatus.DONE
+        s.get(Document, doc).status = "running"
+    st = collect_status(db)
+    assert st["waiting_documents"] == [{"id": doc, "name": "long.pdf", "status": "running", "pages_decoded": 4,
+                                        "page_count": 10}]
+    assert [(r["id"], r["pages"], r["pages_per_hour"]) for r in st["open_runs"]] == [(1, 4, 2.0), (2, 1, None)]
+    assert st["pages_left"] == 6 and abs(st["eta_seconds"] - 3 * 3600) < 60
+    text = format_status(st)
+    assert "waiting:   #1 long.pdf: 4/10 pages decoded (running)" in text
+    assert "left:      6 pages to decode, about 3.0 h at the open runs' pace" in text
+    assert "open:      run 1 (lossless) of " in text and "4 pages (2 an hour)" in text
+    assert "(its process is gone: the next worker closes it as crashed)" in text
