@@ -69,10 +69,11 @@ class Quality(_Section):
 
 
 class Orientation(_Section):
-    """Sideways scans (ingest.orientation documents each key)."""
+    """Scans turned sideways or upside down (ingest.orientation documents each key)."""
 
     auto: bool = True
     sideways_below: float = Field(default=0.67, gt=0.0)
+    upside_down_below: float = Field(default=-0.5, ge=-1.0, le=1.0)
     probe_tokens: int = Field(default=256, ge=8)
     min_gain: float = Field(default=0.1, ge=0.0)
     min_logprob: float = Field(default=-0.5, le=0.0)

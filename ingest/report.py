@@ -63,7 +63,7 @@ def collect_report(db: Database, run_id: int | None = None, grade: str | None = 
             "page_id": page.id, "index": page.page_index, "grade": g, "reasons": q.get("reasons", []),
             "mode": st.get("mode", run.mode), "finish_reason": q.get("finish_reason", st.get("finish_reason")),
             "tau": st.get("tau"), "tokens": tokens, "seconds": seconds,
-            "turned": page_turn(st),  # scanned sideways: read turned (degrees clockwise)
+            "turned": page_turn(st),  # scanned sideways or upside down: read turned (degrees clockwise)
             "tokens_per_second": round(tokens / seconds, 2) if seconds else None,
             "quality": q, "text": page.text})
     return {"run": {"id": run.id, "mode": run.mode, "model": run.model, "started_at": run.started_at.isoformat(),
@@ -104,7 +104,7 @@ def format_report(rep: dict[str, Any]) -> str:
 
 
 def _remarks(page: dict[str, Any]) -> list[str]:
-    """The grade's reasons, and the turn of a page that was scanned sideways."""
+    """The grade's reasons, and the turn of a page that was scanned sideways or upside down."""
     return page["reasons"] + ([f"turned {page['turned']}"] if page.get("turned") else [])
 
 

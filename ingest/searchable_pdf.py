@@ -6,8 +6,8 @@ search, select and copy it (what archives call a searchable PDF, as OCRmyPDF mak
 - An image original (TIFF, PNG, JPEG) becomes one PDF page per frame, upright (EXIF orientation applied, as the
   model saw it), at the image's own DPI (300 when it says none); bilevel and grey frames stay lossless (PNG),
   colour ones become JPEG (quality 90).
-- A page the model read turned (``stats.orientation.turned``, a sideways scan: ingest/orientation.py) is shown
-  turned the same way (its /Rotate changed, the scan itself untouched).
+- A page the model read turned (``stats.orientation.turned``, a scan turned sideways or upside down:
+  ingest/orientation.py) is shown turned the same way (its /Rotate changed, the scan itself untouched).
 - Each element the model returned (``boxes``: label, box on the 0-999 grid of the page, text) is written inside
   its box with render mode 3 (invisible), one line of the element per line of the box, the font size fitted to
   the box. A page without boxes gets its whole text at the top of the page. Markup (table tags) becomes spaces.
@@ -100,7 +100,7 @@ def _font(text: str, fonts: dict[str, pymupdf.Font]) -> pymupdf.Font:
 
 
 def _overlay(page: pymupdf.Page, p: dict[str, Any], fonts: dict[str, pymupdf.Font]) -> None:
-    if turned := page_turn(p.get("stats")):  # scanned sideways: shown as the model read it, so its boxes fit the page as displayed
+    if turned := page_turn(p.get("stats")):  # scanned turned: shown as the model read it, so its boxes fit the page as displayed
         page.set_rotation((page.rotation + turned) % 360)
     if page.get_text("text").strip():
         return  # born digital: it has its own text layer

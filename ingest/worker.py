@@ -218,7 +218,7 @@ class Worker:
         logger.info("decoding {} (attempt {})", label, c.attempts)
         try:
             with Heartbeat(self.db, c, w.lease_seconds, w.heartbeat_seconds) as hb:
-                turned = self._turn_sideways(decoder, pages, label)
+                turned = self._turn_to_read(decoder, pages, label)
                 cap = self.settings.engine.max_tokens_per_page
                 out = decoder.decode([p.image for p in pages], context_limit=self.settings.engine.context_limit,
                                      max_new_tokens=cap * len(pages) if cap else None,
@@ -232,8 +232,9 @@ class Worker:
             return
         self._store(c, run_id, pages, out, label, turned)
 
-    def _turn_sideways(self, decoder: ChunkDecoder, pages: list, label: str) -> dict[int, TurnChoice]:
-        """Turn the pages that were scanned sideways (ingest.orientation) so the chunk's decode reads them upright;
+    def _turn_to_read(self, decoder: ChunkDecoder, pages: list, label: str) -> dict[int, TurnChoice]:
+        """Turn the pages that were scanned sideways or upside down (ingest.orientation) so the chunk's decode reads
+        them upright;
         returns the choice made for each page that was probed, by page index."""
         o = self.settings.orientation
         if not o.auto:
@@ -248,8 +249,8 @@ class Worker:
             choices[page.index] = choice
             if choice.turn:
                 page.image = turn(page.image, choice.turn)
-            logger.info("{}: page {} looks sideways (stripe ratio {:.2f}); probes {}: {}", label, page.index,
-                        choice.ratio, choice.record()["probe_mean_logprob"],
+            logger.info("{}: page {} looks {}; probes {}: {}", label, page.index, choice.looks,
+                        choice.record()["probe_mean_logprob"],
                         f"turned {choice.turn} degrees clockwise" if choice.turn else "left as it is")
         return choices
 
@@ -335,7 +336,7 @@ class Worker:
             if (choice := (turned or {}).get(rendered.index)) is not None:
                 stats["orientation"] = choice.record()
                 if choice.turn:
-                    notes.append(f"scanned sideways: turned {choice.turn} degrees clockwise to be read")
+                    notes.append(choice.note())
             if notes:
                 stats["note"] = "; ".join(notes)
             rows.append(dict(document_id=c.document_id, run_id=run_id, chunk_id=c.chunk_id,

@@ -1,10 +1,12 @@
-"""How well uflash turns sideways scans (ingest/orientation.py): held-out synthetic scan pages upright, turned a
-quarter each way and upside down, each through `choose_turn` with the model's probes as the worker makes them.
-Prints a table (per way the page came: looked at, turned right, turned wrong, left) and ends with one JSON line.
+"""How well uflash turns scans that came sideways or upside down (ingest/orientation.py): held-out synthetic scan
+pages upright, turned a quarter each way and upside down, each through `choose_turn` with the model's probes as the
+worker makes them. Prints a table (per way the page came: looked at, turned right, turned wrong, left) and ends
+with one JSON line.
 
     python scripts/eval_orientation.py --model models/demo --pages 24 [--samples ../shared/samples/real]
 
---samples: also the stripe ratio of every page of the real sample files (no model): which ones would be probed.
+--samples: also the stripe ratio and ragged edges of every page of the real sample files (no model): which ones
+would be probed.
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.chunk_decode import load_decoder  # noqa: E402
-from ingest.orientation import OrientationConfig, choose_turn, decoder_probe, stripe_ratio, turn  # noqa: E402
+from ingest.orientation import (  # noqa: E402
+    OrientationConfig,
+    choose_turn,
+    decoder_probe,
+    ragged_edges,
+    stripe_ratio,
+    turn,
+)
 
 SEED0 = 890_000  # held out: the demo model and its drafter trained on seeds >= 1,000,000
 
@@ -41,8 +50,9 @@ def sample_ratios(folder: Path) -> list[dict]:
             rows.append({"file": f.name, "error": f"{type(e).__name__}"})
             continue
         for p in pages:
-            r = stripe_ratio(p.image)
-            rows.append({"file": f.name, "page": p.index, "ratio": None if r is None else round(r, 3)})
+            r, e = stripe_ratio(p.image), ragged_edges(p.image)
+            rows.append({"file": f.name, "page": p.index, "ratio": None if r is None else round(r, 3),
+                         "edges": None if e is None else round(e, 3)})
     return rows
 
 
@@ -72,8 +82,9 @@ def main(argv=None) -> int:
         return score
 
     # the page comes in turned `came` clockwise; the right answer turns it back
-    ways = {0: 0, 90: 270, 180: 0, 270: 90}  # came -> the turn that makes it upright (180: not detected)
-    table = {came: {"pages": 0, "probed": 0, "right": 0, "wrong": 0, "left": 0, "ratios": []} for came in ways}
+    ways = {0: 0, 90: 270, 180: 180, 270: 90}  # came -> the turn that makes it upright
+    table = {came: {"pages": 0, "probed": 0, "right": 0, "wrong": 0, "left": 0, "ratios": [], "edges": []}
+             for came in ways}
     t0 = time.time()
     for i in range(args.pages):
         data, _ = make_document(SEED0 + i, 1, scan=True)
@@ -84,6 +95,7 @@ def main(argv=None) -> int:
             row["pages"] += 1
             row["probed"] += choice.scores is not None
             row["ratios"].append(choice.ratio)
+            row["edges"].append(ragged_edges(turn(upright, came)))
             if choice.turn == 0:
                 row["left"] += 1
             elif choice.turn == want:
@@ -92,23 +104,31 @@ def main(argv=None) -> int:
                 row["wrong"] += 1
         print(f"page {i + 1}/{args.pages} done ({time.time() - t0:.0f} s)", flush=True)
     print(f"\n{'came turned':>11} {'pages':>6} {'probed':>7} {'turned right':>13} {'turned wrong':>13} {'left':>5} "
-          f"{'stripe ratio (min-max)':>23}")
+          f"{'stripe ratio (min-max)':>23} {'ragged edges (min-max; none)':>29}")
     for came, row in table.items():
         ratios = [r for r in row.pop("ratios") if r is not None]
         row["ratio_min"], row["ratio_max"] = round(min(ratios), 3), round(max(ratios), 3)
+        edges = row.pop("edges")
+        known = [e for e in edges if e is not None]
+        row["edges_min"], row["edges_max"] = round(min(known), 3), round(max(known), 3)
+        row["edges_none"] = len(edges) - len(known)  # too few lines to measure
         print(f"{came:>11} {row['pages']:>6} {row['probed']:>7} {row['right']:>13} {row['wrong']:>13} "
-              f"{row['left']:>5} {row['ratio_min']:>11.2f} - {row['ratio_max']:.2f}")
+              f"{row['left']:>5} {row['ratio_min']:>11.2f} - {row['ratio_max']:.2f} "
+              f"{row['edges_min']:>13.2f} - {row['edges_max']:.2f}; {row['edges_none']}")
     record = {"model": args.model, "mode": args.mode, "pages": args.pages, "seeds": f"{SEED0}..",
               "probe_tokens": config.probe_tokens, "min_gain": config.min_gain, "min_logprob": config.min_logprob,
-              "sideways_below": config.sideways_below,
+              "sideways_below": config.sideways_below, "upside_down_below": config.upside_down_below,
               "by_way_it_came": {str(k): v for k, v in table.items()}, "probes": len(probe_s),
               "probe_s_mean": round(statistics.fmean(probe_s), 3) if probe_s else None,
               "seconds": round(time.time() - t0, 1)}
     if args.samples:
         record["samples"] = sample_ratios(Path(args.samples))
-        probed = [r for r in record["samples"] if r.get("ratio") is not None and r["ratio"] < config.sideways_below]
+        sideways = [r for r in record["samples"] if r.get("ratio") is not None and r["ratio"] < config.sideways_below]
+        upside_down = [r for r in record["samples"] if r not in sideways and r.get("ratio") is not None
+                       and r.get("edges") is not None and r["edges"] < config.upside_down_below]
         print(f"\nreal samples: {len(record['samples'])} pages, looked at as sideways: "
-              f"{[(r['file'], r['page'], r['ratio']) for r in probed]}")
+              f"{[(r['file'], r['page'], r['ratio']) for r in sideways]}, as upside down: "
+              f"{[(r['file'], r['page'], r['edges']) for r in upside_down]}")
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=1))
     print(json.dumps(record))

@@ -1,5 +1,6 @@
-"""Sideways scans are turned before the model reads them (ingest/orientation.py): the stripes that find them, the
-probes that choose the turn, the worker that records it, and document.pdf that shows the page that way."""
+"""Scans turned sideways or upside down are turned back before the model reads them (ingest/orientation.py): the
+stripes and ragged edges that find them, the probes that choose the turn, the worker that records it, and
+document.pdf that shows the page that way."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pymupdf
 import pytest
 from PIL import Image
 
-from ingest.orientation import OrientationConfig, choose_turn, stripe_ratio, turn
+from ingest.orientation import OrientationConfig, choose_turn, ragged_edges, stripe_ratio, turn
 from ingest.render import render_pages
 from ingest.searchable_pdf import write_searchable_pdf
 from tests.conftest import SAMPLES, make_pdf
@@ -39,7 +40,12 @@ def image_pdf(path: Path, images: list[Image.Image]) -> Path:
 
 
 def letter(tmp_path: Path) -> Image.Image:
-    lines = [f"Line {i}: the council met on Tuesday and agreed the budget for the year {1900 + i}." for i in range(30)]
+    """Paragraphs of left-aligned lines of different lengths, each paragraph's last line short."""
+    line = "Line {}: the council met on Tuesday and agreed the budget for the year {}."
+    lines = []
+    for i in range(30):
+        text = line.format(i, 1900 + i)
+        lines.append(text[: 40 + 7 * (i % 4)] if i % 5 == 4 else text)  # each fifth line ends a paragraph: short
     return rendered(make_pdf(tmp_path / "letter.pdf", ["\n".join(lines)]))
 
 
@@ -48,12 +54,14 @@ def test_lines_across_are_upright_and_lines_up_and_down_are_sideways(tmp_path):
     assert stripe_ratio(page) > 1.5
     for t in (90, 270):
         assert stripe_ratio(turn(page, t)) < CONFIG.sideways_below
-    assert stripe_ratio(turn(page, 180)) > 1.5  # upside down is not told apart (documented)
+    assert stripe_ratio(turn(page, 180)) > 1.5  # the stripes cannot tell upside down ...
+    assert ragged_edges(page) > 0.5 and ragged_edges(turn(page, 180)) < CONFIG.upside_down_below  # ... the edges can
     assert stripe_ratio(Image.new("RGB", (600, 800), "white")) is None
+    assert ragged_edges(Image.new("RGB", (600, 800), "white")) is None
     assert turn(turn(page, 90), 270).tobytes() == page.tobytes()  # quarter turns lose no pixel
 
 
-def test_only_sideways_pages_are_probed_and_a_turn_needs_a_clear_gain(tmp_path):
+def test_only_sideways_or_upside_down_pages_are_probed_and_a_turn_needs_a_clear_gain(tmp_path):
     upright = letter(tmp_path)
     calls = []
 
@@ -72,50 +80,65 @@ def test_only_sideways_pages_are_probed_and_a_turn_needs_a_clear_gain(tmp_path):
     unsure = choose_turn(sideways, lambda im: probe(im) - 0.6, CONFIG)  # clearly better, but read badly (-0.8)
     assert unsure.turn == 0 and unsure.scores[90] == pytest.approx(-0.8)
     assert choose_turn(sideways, probe, OrientationConfig(sideways_below=0.01)).scores is None  # gate closed
+    calls.clear()
+    upside_down = choose_turn(turn(upright, 180), probe, CONFIG)
+    assert upside_down.turn == 180 and upside_down.scores == {0: -0.9, 180: -0.2} and len(calls) == 2
+    assert upside_down.note() == "scanned upside down: turned 180 degrees clockwise to be read"
+    assert upside_down.looks.startswith("upside down (ragged edges -") and upside_down.record()["ragged_edges"] < -0.5
+    assert choose_turn(turn(upright, 180), probe, OrientationConfig(upside_down_below=-1.0)).scores is None
 
 
-def test_a_turned_page_is_shown_turned_in_the_searchable_pdf(tmp_path):
-    src = image_pdf(tmp_path / "scan.pdf", [Image.new("L", (800, 600), 255)])  # landscape: a sideways portrait
-    page = {"index": 1, "text": "", "stats": {"orientation": {"turned": 90}},
+@pytest.mark.parametrize("turned", [90, 180])
+def test_a_turned_page_is_shown_turned_in_the_searchable_pdf(tmp_path, turned):
+    size = (800, 600) if turned == 90 else (600, 800)  # a sideways portrait is landscape; upside down it is not
+    src = image_pdf(tmp_path / "scan.pdf", [Image.new("L", size, 255)])
+    page = {"index": 1, "text": "", "stats": {"orientation": {"turned": turned}},
             "boxes": [{"label": "title", "box": [100, 50, 900, 120], "text": "Protokoll des Stadtrats"}]}
     out = write_searchable_pdf(tmp_path / "document.pdf", src, "pdf", [page])
     with pymupdf.open(out) as doc:
         p = doc[0]
-        assert p.rotation == 90 and (p.rect.width, p.rect.height) == (600, 800)  # shown upright, as read
+        assert p.rotation == turned and (p.rect.width, p.rect.height) == (600, 800)  # shown upright, as read
         (hit,) = p.search_for("Protokoll")
         assert hit.y0 < 800 * 0.2 and hit.x0 < 600 * 0.5  # at the top left of the upright page
 
 
 @pytest.mark.skipif(not SAMPLES.is_dir(), reason="../shared/samples/real not present")
-def test_the_real_sideways_sample_is_looked_at_and_upright_real_pages_are_not():
+def test_the_real_turned_samples_are_looked_at_and_upright_real_pages_are_not():
+    """cardinal.pdf holds one sheet four ways: upright, a quarter turn, upside down, three quarters."""
     sideways = rendered(SAMPLES / "cardinal.pdf", 2)  # the LinnSequencer sheet, its lines running top to bottom
     assert stripe_ratio(sideways) < CONFIG.sideways_below
     assert stripe_ratio(rendered(SAMPLES / "cardinal.pdf", 1)) > 1 / CONFIG.sideways_below
-    for name in ("skew.pdf", "epson.pdf", "francais.pdf", "kcs.pdf", "c02-22.pdf", "aspect.pdf"):
-        ratio = stripe_ratio(rendered(SAMPLES / name))
+    assert ragged_edges(rendered(SAMPLES / "cardinal.pdf", 3)) < CONFIG.upside_down_below
+    for name in ("skew.pdf", "epson.pdf", "francais.pdf", "kcs.pdf", "c02-22.pdf", "aspect.pdf", "typewriter.png",
+                 "cardinal.pdf", "jbig2.pdf", "multipage.pdf"):
+        image = render_pages(SAMPLES / name, "png" if name.endswith(".png") else "pdf", 1, 1)[0].image
+        ratio, edges = stripe_ratio(image), ragged_edges(image)
         assert ratio is None or ratio >= CONFIG.sideways_below, name
+        assert edges is None or edges >= CONFIG.upside_down_below, name
 
 
 @pytest.mark.skipif(not SAMPLES.is_dir() or not (DEMO / "config.json").is_file(),
                     reason="needs ../shared/samples/real and models/demo")
 def test_a_model_that_cannot_read_the_page_turns_nothing():
     """The demo model (synthetic pages only) cannot read the real sideways sheet: its probes are all low, and one
-    of them (the wrong way, upside down) 0.1 above the page as it is; the floor keeps it from turning the page."""
+    of them (the wrong way, upside down) 0.1 above the page as it is; the floor keeps it from turning the page.
+    The same for the sheet upside down."""
     from engine.chunk_decode import load_decoder
     from ingest.orientation import decoder_probe
 
     decoder = load_decoder(str(DEMO), "cpu", "float32", "lossless")
-    choice = choose_turn(rendered(SAMPLES / "cardinal.pdf", 2), decoder_probe(decoder, 32_768, CONFIG.probe_tokens),
-                         CONFIG)
-    assert choice.scores is not None and max(choice.scores.values()) < CONFIG.min_logprob
-    assert choice.turn == 0
+    for page, turns in ((2, {0, 90, 270}), (3, {0, 180})):
+        choice = choose_turn(rendered(SAMPLES / "cardinal.pdf", page),
+                             decoder_probe(decoder, 32_768, CONFIG.probe_tokens), CONFIG)
+        assert choice.scores is not None and set(choice.scores) == turns
+        assert max(choice.scores.values()) < CONFIG.min_logprob and choice.turn == 0
 
 
 @pytest.mark.skipif(not (DEMO / "config.json").is_file(), reason="models/demo is not in this checkout")
-def test_the_demo_model_reads_a_sideways_scan_as_it_reads_the_upright_one(tmp_path):
-    """A synthetic scan put in a PDF sideways: the worker turns it back (the demo model reads the upright page
-    with clearly more confidence) and reads the same text as from the upright original; with the check off it
-    reads something else. The searchable PDF shows the page turned; document.md says so."""
+def test_the_demo_model_reads_a_turned_scan_as_it_reads_the_upright_one(tmp_path):
+    """A synthetic scan put in a PDF sideways, and upside down: the worker turns it back (the demo model reads the
+    upright page with clearly more confidence) and reads the same text as from the upright original; with the check
+    off it reads something else. The searchable PDF shows the page turned; document.md says so."""
     from db.session import Database
     from engine.chunk_decode import load_decoder
     from ingest.config import load_settings
@@ -126,7 +149,7 @@ def test_the_demo_model_reads_a_sideways_scan_as_it_reads_the_upright_one(tmp_pa
     from tests.conftest import worker_config
     from tests.test_worker import serve_until_done
 
-    data, _ = make_document(880_100, 1, scan=True)  # held out (training seeds are >= 1,000,000)
+    data, _ = make_document(880_000, 1, scan=True)  # held out (training seeds are >= 1,000,000)
     upright = synth_pages(data, 1024)[0]
     decoder = load_decoder(str(DEMO), "cpu", "float32", "lossless")
 
@@ -159,6 +182,13 @@ def test_the_demo_model_reads_a_sideways_scan_as_it_reads_the_upright_one(tmp_pa
     assert sideways["thumb"].height > sideways["thumb"].width  # the review thumbnail shows the page as read
     with pymupdf.open(sideways["pdf"]) as doc:
         assert doc[0].rotation == 90 and doc[0].rect.width < doc[0].rect.height
+    upside_down = read("upside_down", turn(upright, 180))
+    assert upside_down["json"]["stats"]["orientation"]["turned"] == 180
+    assert (upside_down["json"]["text"], upside_down["json"]["boxes"]) == (control["json"]["text"],
+                                                                          control["json"]["boxes"])
+    assert "scanned upside down: turned 180 degrees" in upside_down["md"] and "turned 180" in upside_down["report"]
+    with pymupdf.open(upside_down["pdf"]) as doc:
+        assert doc[0].rotation == 180
     off = read("off", turn(upright, 270), auto=False)
     assert "orientation" not in off["json"]["stats"] and off["json"]["text"] != control["json"]["text"]
     assert off["json"]["stats"]["quality"]["mean_logprob"] < control["json"]["stats"]["quality"]["mean_logprob"]
