@@ -76,10 +76,8 @@ def _when(iso: str) -> str:
     return iso[:19].replace("T", " ")
 
 
-def format_report(rep: dict[str, Any]) -> str:
-    if rep["run"] is None:
-        return "no pages stored yet"
-    r = rep["run"]
+def _run_span(r: dict[str, Any]) -> str:
+    """When the run started and how it ended (or that it has not)."""
     if r.get("end_reason") == RunEnd.CRASHED:
         end = f"stopped by a crash after {_when(r['finished_at'])}"
     elif r.get("finished_at"):
@@ -89,8 +87,14 @@ def format_report(rep: dict[str, Any]) -> str:
         end = "not finished: its process is gone (crashed or killed)" if is_gone(r.get("owner")) else \
             "not finished: still running" if host == socket.gethostname() else \
             f"not finished: still running on {host or 'another host'}, or stopped by a crash there"
-    span = f"started {_when(r['started_at'])}, {end}"
-    lines = [f"run {r['id']} ({r['mode']}, {r['model']}; {span}): {rep['pages']} pages  "
+    return (f"started {_when(r['started_at'])}, " if r.get("started_at") else "") + end
+
+
+def format_report(rep: dict[str, Any]) -> str:
+    if rep["run"] is None:
+        return "no pages stored yet"
+    r = rep["run"]
+    lines = [f"run {r['id']} ({r['mode']}, {r['model']}; {_run_span(r)}): {rep['pages']} pages  "
              + "  ".join(f"{g} {n}" for g, n in sorted(rep["grades"].items()))]
     for d in rep["documents"]:
         lines += ["", f"#{d['id']} {d['name']} ({d['page_count']} pages)",
@@ -175,6 +179,7 @@ def render_html(rep: dict[str, Any], thumbs: dict[int, str] | None = None) -> st
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>uflash run {r.get('id')}</title>"
              f"<style>{_STYLE}</style></head><body data-filter='all'>",
              f"<h1>uflash run {r.get('id')} &middot; {e(str(r.get('mode')))} &middot; {e(str(r.get('model')))}</h1>",
+             f"<p class='span'>{e(_run_span(r)) if r else ''}</p>",
              f"<div class='bar'>{buttons} <span>showing <span id='shown'>{rep['pages']}</span> pages</span></div>"]
     for d in rep["documents"]:
         parts.append(f"<h2 data-doc='{d['id']}'>{e(d['name'])} <small>({d['page_count']} pages)</small></h2>")

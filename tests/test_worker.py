@@ -379,8 +379,9 @@ def test_a_rerun_killed_mid_way_is_closed_and_the_next_rerun_finishes_the_docume
             Chunk.status.in_([ChunkStatus.QUEUED, ChunkStatus.RUNNING]))) == 0
     doc = json.loads((s.outbox / "six" / "document.json").read_text(encoding="utf-8"))
     assert [p["run_id"] for p in doc["pages"]] == [2] * len(redone) + [3] * (6 - len(redone))
-    rep = uflash("--config", str(cfg), "report", "--run", "2", "--no-html").stdout
+    rep = uflash("--config", str(cfg), "report", "--run", "2").stdout
     assert "stopped by a crash after" in rep, rep
+    assert "stopped by a crash after" in (s.outbox / "reports" / "run-2.html").read_text(encoding="utf-8")
     st = uflash("--config", str(cfg), "status").stdout
     assert "open:" not in st and "running:" not in st and "cancelled" in st, st
 
