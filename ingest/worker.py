@@ -81,6 +81,8 @@ class Worker:
     _decoder: ChunkDecoder | None = None
     _run_id: int | None = None
     _waiting_on: frozenset[str] = frozenset()  # owners of the leases the last idle poll found (logged once)
+    # (document, page) -> the turn chosen for a page that was probed: a chunk cut and re-queued does not probe it again
+    _turns: dict[tuple[int, int], TurnChoice] = field(default_factory=dict)
 
     # -- model and run ---------------------------------------------------------------------------
     def decoder(self) -> ChunkDecoder:
@@ -218,7 +220,7 @@ class Worker:
         logger.info("decoding {} (attempt {})", label, c.attempts)
         try:
             with Heartbeat(self.db, c, w.lease_seconds, w.heartbeat_seconds) as hb:
-                turned = self._turn_to_read(decoder, pages, label)
+                turned = self._turn_to_read(decoder, pages, label, c.document_id)
                 cap = self.settings.engine.max_tokens_per_page
                 out = decoder.decode([p.image for p in pages], context_limit=self.settings.engine.context_limit,
                                      max_new_tokens=cap * len(pages) if cap else None,
@@ -232,10 +234,10 @@ class Worker:
             return
         self._store(c, run_id, pages, out, label, turned)
 
-    def _turn_to_read(self, decoder: ChunkDecoder, pages: list, label: str) -> dict[int, TurnChoice]:
+    def _turn_to_read(self, decoder: ChunkDecoder, pages: list, label: str, doc_id: int) -> dict[int, TurnChoice]:
         """Turn the pages that were scanned sideways or upside down (ingest.orientation) so the chunk's decode reads
-        them upright;
-        returns the choice made for each page that was probed, by page index."""
+        them upright; returns the choice made for each page that was probed, by page index. A page this worker
+        probed before (its chunk was cut and re-queued) keeps the turn chosen then."""
         o = self.settings.orientation
         if not o.auto:
             return {}
@@ -243,14 +245,19 @@ class Worker:
         probe = decoder_probe(decoder, self.settings.engine.context_limit, config.probe_tokens)
         choices = {}
         for page in pages:
-            choice = choose_turn(page.image, probe, config)
+            earlier = self._turns.get((doc_id, page.index))
+            choice = earlier or choose_turn(page.image, probe, config)
             if choice.scores is None:
                 continue
+            if earlier is None:
+                if len(self._turns) >= 4096:  # a watcher runs for weeks: keep this small
+                    self._turns.clear()
+                self._turns[(doc_id, page.index)] = choice
             choices[page.index] = choice
             if choice.turn:
                 page.image = turn(page.image, choice.turn)
-            logger.info("{}: page {} looks {}; probes {}: {}", label, page.index, choice.looks,
-                        choice.record()["probe_mean_logprob"],
+            logger.info("{}: page {} looks {}; probes {}{}: {}", label, page.index, choice.looks,
+                        choice.record()["probe_mean_logprob"], " (made before)" if earlier else "",
                         f"turned {choice.turn} degrees clockwise" if choice.turn else "left as it is")
         return choices
 

@@ -27,6 +27,7 @@ from engine.model import load_model
 from engine.official import DecodeResult
 from ingest.config import load_settings
 from ingest.intake import intake_file
+from ingest.orientation import OrientationConfig
 from ingest.render import render_pages
 from ingest.worker import Worker
 from tests.conftest import ROOT, make_pdf, serve_until, uflash, wait_until, worker_config, write_config
@@ -708,13 +709,14 @@ def test_a_queued_file_replaced_under_the_same_name_is_not_decoded_as_the_old_do
 
 class RunawayDecoder:
     """A scripted decoder: every page reads as ``p<n>`` except ``runaway``, which never ends (the output is cut at
-    the limit on it, as by a model caught in a loop). Records the pages of every decode."""
+    the limit on it, as by a model caught in a loop). Records the pages of every decode, and counts the orientation
+    probes (one page read for ``probe_tokens``) apart."""
 
     mode, model_name, device = "official", "runaway", "cpu"
 
     def __init__(self, pdf: Path, n: int, runaway: int):
         self.page_of = {p.image.tobytes(): p.index for p in render_pages(pdf, "pdf", 1, n)}
-        self.runaway, self.calls = runaway, []
+        self.runaway, self.calls, self.probes = runaway, [], 0
 
     def describe(self):
         return {}
@@ -723,6 +725,9 @@ class RunawayDecoder:
         pass
 
     def decode(self, images, context_limit, max_new_tokens=None, **hints):
+        if max_new_tokens == OrientationConfig.probe_tokens:  # an orientation probe: reads nothing in particular
+            self.probes += 1
+            return assemble(_fake_result("<PAGE>probe", "length"), 1, hit_context=False)
         pages = [self.page_of[im.tobytes()] for im in images]
         self.calls.append(pages)
         text = ""
@@ -734,16 +739,24 @@ class RunawayDecoder:
 
 
 def test_a_runaway_page_goes_back_alone_and_its_neighbours_are_decoded_once(tmp_path, tiny_model_dir):
+    """Page 3 runs away: it goes back alone, and pages 4-6 as a chunk of their own. Page 5 was scanned sideways:
+    it is probed once (three probes), not again when its chunk comes back."""
     cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_pages_per_chunk": 6})
     s = load_settings(cfg)
     s.ensure_folders()
     db = Database(s.database_url)
-    pdf = make_pdf(s.inbox / "six.pdf", 6)
+    lines = "\n".join(f"Line {i}: the council met on Tuesday and agreed the budget for the year {1900 + i}."
+                      for i in range(30))
+    pdf = make_pdf(s.inbox / "six.pdf", ["p1", "p2", "p3", "p4", lines, "p6"])
+    with pymupdf.open(pdf) as d:  # page 5's lines run up and down, as on a sheet scanned sideways
+        d[4].set_rotation(90)
+        d.saveIncr()
     doc = intake_file(db, s, pdf).document_id
     decoder = RunawayDecoder(pdf, 6, runaway=3)
     serve_until_done(Worker(s, db, lambda: decoder), db)
     # before: [3-6] again, then halves [3-4], [5-6], then [3], [4]: pages 4-6 decoded three times each
     assert sorted(decoder.calls) == [[1, 2, 3, 4, 5, 6], [3], [4, 5, 6]]
+    assert decoder.probes == 3  # as it is, 90, 270: in the first chunk only
     assert [n for _, n in pages_in_db(db, doc)] == [1] * 6
     with db.session() as ss:
         assert ss.get(Document, doc).status == "done"
