@@ -26,19 +26,22 @@ def page_markdown(text: str) -> str:
     return re.sub(r"\n{3,}", "\n\n", t).strip()
 
 
+def holds_another_document(folder: Path, sha256: str) -> bool:
+    """``folder`` has a document.json of another document than ``sha256`` (or one that cannot be read)."""
+    meta = folder / "document.json"
+    if not meta.exists():
+        return False
+    try:
+        return json.loads(meta.read_text(encoding="utf-8"))["document"]["sha256"] != sha256
+    except (ValueError, KeyError, OSError):
+        return True
+
+
 def output_folder(outbox: Path, name: str, sha256: str) -> Path:
     """``<outbox>/<stem>``, or ``<stem>-<sha8>`` when that folder belongs to another document."""
     stem = Path(name).stem or "document"
     folder = outbox / stem
-    meta = folder / "document.json"
-    if meta.exists():
-        try:
-            other = json.loads(meta.read_text(encoding="utf-8"))["document"]["sha256"]
-        except (ValueError, KeyError, OSError):
-            other = None
-        if other != sha256:
-            folder = outbox / f"{stem}-{sha256[:8]}"
-    return folder
+    return outbox / f"{stem}-{sha256[:8]}" if holds_another_document(folder, sha256) else folder
 
 
 def write_document_outputs(folder: Path, document: dict[str, Any], run: dict[str, Any],

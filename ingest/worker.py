@@ -48,7 +48,7 @@ from ingest.errors import UflashError
 from ingest.files import file_away, sha256_file
 from ingest.intake import intake_file
 from ingest.orientation import TurnChoice, choose_turn, decoder_probe, turn
-from ingest.outputs import output_folder, page_markdown, write_document_outputs
+from ingest.outputs import holds_another_document, output_folder, page_markdown, write_document_outputs
 from ingest.owners import is_gone, this_process
 from ingest.render import render_pages
 
@@ -432,7 +432,7 @@ class Worker:
         # the scan under the searchable PDF: the archived original on a re-run, else the one still in place
         scan = next((Path(q) for q in (doc.archived_path, doc.original_path) if q and Path(q).exists()), None)
         try:
-            folder = output_folder(self.settings.outbox, doc.original_name, doc.sha256)
+            folder = self._output_folder(doc)
             md, _ = write_document_outputs(folder, document, run, page_dicts, source=scan)
         except OSError as e:  # a file in the way, disk full, access denied, a name or path the OS refuses
             return self._not_finished(doc, f"outputs could not be written: {e}")
@@ -456,6 +456,18 @@ class Worker:
                 completed_at=datetime.now(timezone.utc)))
         logger.success("{} done: {}", doc.original_name, md)
         return folder
+
+    def _output_folder(self, doc: Document) -> Path:
+        """Where the document's outputs go: the folder they were written to before (a re-run, or a retry, rewrites
+        them there, even when that was a `uflash run --out DIR`), or, the first time, or when the place of that
+        folder is gone or another document has taken the folder, a folder of its own in the outbox."""
+        if doc.output_dir:
+            earlier = Path(doc.output_dir)
+            if earlier.parent.is_dir() and not holds_another_document(earlier, doc.sha256):
+                return earlier
+            logger.warning("{}: {}, where its outputs were written before, is gone or holds another document: "
+                           "written to the outbox {}", doc.original_name, earlier, self.settings.outbox)
+        return output_folder(self.settings.outbox, doc.original_name, doc.sha256)
 
     def _not_finished(self, doc: Document, reason: str, output_dir: Path | None = None) -> None:
         """Mark a document whose chunks are all done failed with ``reason``, and let the worker go on with the

@@ -764,3 +764,39 @@ def test_a_runaway_page_goes_back_alone_and_its_neighbours_are_decoded_once(tmp_
         (split,) = ss.scalars(select(Chunk).where(Chunk.document_id == doc, Chunk.status == ChunkStatus.SPLIT)).all()
     assert page3.stats["finish_reason"] == "context_limit" and page3.text.startswith("loop loop")
     assert split.note == "output reached the context limit; pages 3-3, 4-6 re-queued"
+
+
+def test_a_rerun_rewrites_the_outputs_where_the_document_was_written(tmp_path, tiny_model_dir):
+    """`uflash run --out DIR`, then `uflash rerun`: the re-run rewrites DIR/<stem>, not a second copy in the outbox
+    (before, the outbox got the new text and DIR kept the old). When that folder's parent is gone, or another
+    document has taken the folder, a folder of its own in the outbox."""
+    cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_tokens_per_page": 8})
+    s = load_settings(cfg)
+    s.ensure_folders()
+    out = tmp_path / "share"
+    r = uflash("--config", str(cfg), "run", "--out", str(out), str(make_pdf(s.inbox / "deeds.pdf", 2)), timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = uflash("--config", str(cfg), "rerun", "--doc", "1", "--mode", "plain", timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads((out / "deeds" / "document.json").read_text(encoding="utf-8"))["run"]["id"] == 2
+    assert not (s.outbox / "deeds").exists()
+    db = Database(s.database_url)
+    with db.session() as ss:
+        assert ss.get(Document, 1).output_dir == str(out / "deeds")
+    shutil.rmtree(out)  # the share is gone
+    r = uflash("--config", str(cfg), "rerun", "--doc", "1", "--mode", "plain", timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads((s.outbox / "deeds" / "document.json").read_text(encoding="utf-8"))["run"]["id"] == 3
+    assert f"{out / 'deeds'}, where its outputs were written before, is gone" in r.stderr
+    with db.session() as ss:
+        assert ss.get(Document, 1).output_dir == str(s.outbox / "deeds")
+    # its folder deleted, and another deeds.pdf written there since: the re-run does not overwrite that one
+    shutil.rmtree(s.outbox / "deeds")
+    r = uflash("--config", str(cfg), "run", str(make_pdf(s.inbox / "deeds.pdf", ["other deeds"])), timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = uflash("--config", str(cfg), "rerun", "--doc", "1", "--mode", "plain", timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads((s.outbox / "deeds" / "document.json").read_text(encoding="utf-8"))["document"]["id"] == 2
+    with db.session() as ss:
+        moved = Path(ss.get(Document, 1).output_dir)
+    assert moved.name.startswith("deeds-") and json.loads((moved / "document.json").read_text())["run"]["id"] == 5
