@@ -2,7 +2,7 @@
 search, select and copy it (what archives call a searchable PDF, as OCRmyPDF makes).
 
 - A PDF original keeps its own pages (the scan at full quality, /Rotate and all); a page that already has a text
-  layer (born digital) is left as it is, so nothing is found twice.
+  layer (born digital) is left as it is (its rotation too), so nothing is found twice.
 - An image original (TIFF, PNG, JPEG) becomes one PDF page per frame, upright (EXIF orientation applied, as the
   model saw it), at the image's own DPI (300 when it says none); bilevel and grey frames stay lossless (PNG),
   colour ones become JPEG (quality 90).
@@ -100,10 +100,10 @@ def _font(text: str, fonts: dict[str, pymupdf.Font]) -> pymupdf.Font:
 
 
 def _overlay(page: pymupdf.Page, p: dict[str, Any], fonts: dict[str, pymupdf.Font]) -> None:
+    if page.get_text("text").strip():
+        return  # born digital: it has its own text layer, and is left as it is (its rotation too)
     if turned := page_turn(p.get("stats")):  # scanned turned: shown as the model read it, so its boxes fit the page as displayed
         page.set_rotation((page.rotation + turned) % 360)
-    if page.get_text("text").strip():
-        return  # born digital: it has its own text layer
     rect = page.rect
     elements = [(b["box"], b.get("text", "")) for b in p.get("boxes") or [] if b.get("text", "").strip()]
     if not elements and (whole := page_markdown(p.get("text") or "").strip()):

@@ -103,7 +103,7 @@ def format_status(st: dict[str, Any]) -> str:
         eta = st["eta_seconds"]
         lines.append(f"left:      {st['pages_left']} pages to decode" + (
             f", about {_duration(eta)} at the open runs' pace" if eta is not None else
-            " (no pace yet: no open run has stored a page)"))
+            " (no pace yet: no running uflash has stored a page)"))
     now = time.time()
     for r in st["open_runs"]:
         what = "re-run" if r["rerun"] else "run"

@@ -55,12 +55,14 @@ def test_born_digital_pages_keep_their_own_text_only_and_pages_without_boxes_get
     doc = pymupdf.open(make_pdf(tmp_path / "digital.pdf", ["Original layer text"]))
     doc.insert_pdf(pymupdf.open(scanned_pdf(tmp_path / "scan.pdf", size=(595, 842))))
     doc.save(tmp_path / "mixed.pdf")
-    pages = [{"index": 1, "text": "model text one", "boxes": []},
+    pages = [{"index": 1, "text": "model text one", "boxes": [], "stats": {"orientation": {"turned": 90}}},
              {"index": 2, "text": "Plain page text without boxes", "boxes": []}]
     out = write_searchable_pdf(tmp_path / "out.pdf", tmp_path / "mixed.pdf", "pdf", pages)
     first, second = words(out)
     assert "Original layer text" in first and "model text one" not in first
     assert "Plain page text without boxes" in second
+    with pymupdf.open(out) as d:  # left as it is: not even turned as the model read it
+        assert d[0].rotation == 0
 
 
 def test_multipage_tiff_with_exif_rotation(tmp_path):
