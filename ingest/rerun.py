@@ -140,12 +140,13 @@ def rerun(settings: Settings, db: Database, make_worker: Callable[..., Any], sto
         worker.close_run()
     with db.session() as s:
         ids = list(s.scalars(select(Chunk.id).where(Chunk.run_id == run_id)))
-        left = {st: [f"pages {c.first_page}-{c.last_page} of document {c.document_id}" + (
-                    f": {c.last_error}" if st == ChunkStatus.FAILED else "")
-                     for c in s.scalars(select(Chunk).where(Chunk.run_id == run_id, Chunk.status == st))]
-                for st in (ChunkStatus.FAILED, ChunkStatus.CANCELLED)}
+        ended = {st: s.scalars(select(Chunk).where(Chunk.run_id == run_id, Chunk.status == st)).all()
+                 for st in (ChunkStatus.FAILED, ChunkStatus.CANCELLED)}
+    failed = [f"pages {c.first_page}-{c.last_page} of document {c.document_id}: {c.last_error}"
+              for c in ended[ChunkStatus.FAILED]]
+    cancelled = [f"pages {c.first_page}-{c.last_page} of document {c.document_id}" for c in ended[ChunkStatus.CANCELLED]]
     logger.info("re-run {}: {} pages in {} chunks", run_id, len(picked), len(ids))
-    return RerunResult(run_id, earlier, ids, len(picked), left[ChunkStatus.FAILED], left[ChunkStatus.CANCELLED])
+    return RerunResult(run_id, earlier, ids, len(picked), failed, cancelled)
 
 
 def diff_runs(db: Database, run_a: int, run_b: int) -> dict[str, Any]:
