@@ -144,7 +144,8 @@ def rerun(settings: Settings, db: Database, make_worker: Callable[..., Any], sto
                  for st in (ChunkStatus.FAILED, ChunkStatus.CANCELLED)}
     failed = [f"pages {c.first_page}-{c.last_page} of document {c.document_id}: {c.last_error}"
               for c in ended[ChunkStatus.FAILED]]
-    cancelled = [f"pages {c.first_page}-{c.last_page} of document {c.document_id}" for c in ended[ChunkStatus.CANCELLED]]
+    cancelled = [f"pages {c.first_page}-{c.last_page} of document {c.document_id}"
+                 for c in ended[ChunkStatus.CANCELLED]]
     logger.info("re-run {}: {} pages in {} chunks", run_id, len(picked), len(ids))
     return RerunResult(run_id, earlier, ids, len(picked), failed, cancelled)
 

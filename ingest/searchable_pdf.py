@@ -102,7 +102,7 @@ def _font(text: str, fonts: dict[str, pymupdf.Font]) -> pymupdf.Font:
 def _overlay(page: pymupdf.Page, p: dict[str, Any], fonts: dict[str, pymupdf.Font]) -> None:
     if page.get_text("text").strip():
         return  # born digital: it has its own text layer, and is left as it is (its rotation too)
-    if turned := page_turn(p.get("stats")):  # scanned turned: shown as the model read it, so its boxes fit the page as displayed
+    if turned := page_turn(p.get("stats")):  # shown as the model read it, so its boxes fit the page as displayed
         page.set_rotation((page.rotation + turned) % 360)
     rect = page.rect
     elements = [(b["box"], b.get("text", "")) for b in p.get("boxes") or [] if b.get("text", "").strip()]

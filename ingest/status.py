@@ -98,7 +98,11 @@ def format_status(st: dict[str, Any]) -> str:
         f"duplicates: {st['duplicates']}   rejected files: {st['rejected']}",
     ]
     for d in st["waiting_documents"]:
-        lines.append(f"waiting:   #{d['id']} {d['name']}: {d['pages_decoded']}/{d['page_count']} pages decoded ({d['status']})")
+        lines.append(f"waiting:   #{d['id']} {d['name']}: {d['pages_decoded']}/{d['page_count']} pages decoded "
+                     f"({d['status']})")
+    waiting = st["documents"].get("queued", 0) + st["documents"].get("running", 0)
+    if (more := waiting - len(st["waiting_documents"])) > 0:
+        lines.append(f"waiting:   ... and {more} more (--limit)")
     if st["pages_left"]:
         eta = st["eta_seconds"]
         lines.append(f"left:      {st['pages_left']} pages to decode" + (

@@ -302,3 +302,5 @@ def test_status_shows_pages_decoded_pages_left_and_when_they_should_be_done(tmp_
     assert "left:      6 pages to decode, about 3.0 h at the open runs' pace" in text
     assert "open:      run 1 (lossless) of " in text and "4 pages (2 an hour)" in text
     assert "(its process is gone: the next worker closes it as crashed)" in text
+    add_document(db, 1, "next.pdf")
+    assert "waiting:   ... and 1 more (--limit)" in format_status(collect_status(db, limit=1))
