@@ -19,6 +19,7 @@ from typing import Any
 
 from loguru import logger
 from sqlalchemy import func, select
+from tqdm import tqdm
 
 from db.models import Chunk, ChunkStatus, Document, Page, Run
 from db.session import Database
@@ -134,10 +135,12 @@ def rerun(settings: Settings, db: Database, make_worker: Callable[..., Any], sto
             return s.scalar(select(func.count()).select_from(Chunk).where(
                 Chunk.run_id == run_id, Chunk.status.in_([ChunkStatus.QUEUED, ChunkStatus.RUNNING]))) == 0
 
-    try:
-        worker.serve(stop, until=finished)
-    finally:
-        worker.close_run()
+    with tqdm(total=len(picked), unit="page", desc="uflash rerun", dynamic_ncols=True) as bar:
+        worker.on_pages = bar.update
+        try:
+            worker.serve(stop, until=finished)
+        finally:
+            worker.close_run()
     with db.session() as s:
         ids = list(s.scalars(select(Chunk.id).where(Chunk.run_id == run_id)))
         ended = {st: s.scalars(select(Chunk).where(Chunk.run_id == run_id, Chunk.status == st)).all()
