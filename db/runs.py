@@ -4,7 +4,9 @@ Contract:
 - A run is open while ``finished_at`` is None. Its own process closes it (``end_reason`` closed) when its command
   ends, Ctrl+C and SIGTERM included. A run whose owner process is gone (killed, crashed, the machine rebooted)
   is closed by the next uflash process that finds it (``end_reason`` crashed, ``finished_at`` = the time of its
-  last stored page, or its start when it stored none).
+  last stored page, or its start when it stored none). Gone means: known gone on this host (ingest.owners), or,
+  for a re-run on any host, one of its reserved chunks has been running on an ended lease for longer than a
+  lease (a live re-run takes its own chunk back within a poll).
 - Chunks reserved for a run (a re-run's: ``run_id`` set while queued) are taken by that run only. When the run
   ends with some of them still queued or running, they are **cancelled** (kept, with a note; never deleted):
   nothing else would ever take them, and while pending they would keep their document from being finished by
@@ -48,14 +50,18 @@ def close_run(conn: Connection, run_id: int, reason: str = RunEnd.CLOSED,
     return sorted({doc_id for (doc_id,) in rows})
 
 
-def close_runs_of_gone_owners(db: Database, is_gone: Callable[[str | None], bool]) -> dict[int, list[int]]:
-    """Close, as crashed, every open run whose owner process is gone. Returns run id -> the documents that had
-    chunks cancelled (see ``close_run``)."""
+def close_runs_of_gone_owners(db: Database, is_gone: Callable[[str | None], bool],
+                              stale_before: float | None = None) -> dict[int, list[int]]:
+    """Close, as crashed, every open run whose owner process is gone, and (``stale_before``, UNIX seconds) every
+    open run with a reserved chunk running on a lease that ended before then. Returns run id -> the documents
+    that had chunks cancelled (see ``close_run``)."""
     with db.session() as s:
         open_runs = s.execute(select(Run.id, Run.owner, Run.started_at).where(Run.finished_at.is_(None))).all()
+        stale = set() if stale_before is None else set(s.scalars(select(C.c.run_id).where(
+            C.c.run_id.is_not(None), C.c.status == ChunkStatus.RUNNING, C.c.lease_expires_at < stale_before)))
     out = {}
     for run_id, owner, started_at in open_runs:
-        if not is_gone(owner):
+        if run_id not in stale and not is_gone(owner):
             continue
         with db.engine.begin() as conn:
             last_page = conn.scalar(select(func.max(Page.created_at)).where(Page.run_id == run_id))

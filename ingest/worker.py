@@ -125,8 +125,10 @@ class Worker:
         """Leases and runs of uflash processes on this host that are gone (killed, crashed, the machine rebooted):
         their chunks are taken over now rather than when the lease runs out, and their runs are closed as
         crashed (a re-run's chunks still reserved for it are cancelled, and the documents it re-decoded pages of
-        are rewritten)."""
-        for run_id, docs in close_runs_of_gone_owners(self.db, is_gone).items():
+        are rewritten). A re-run on another host is known gone once its own chunk has waited on an ended lease
+        for longer than a lease (db.runs)."""
+        stale_before = time.time() - self.settings.worker.lease_seconds
+        for run_id, docs in close_runs_of_gone_owners(self.db, is_gone, stale_before).items():
             logger.warning("run {} was left open by a uflash process that is gone: closed as crashed{}", run_id,
                            f"; its chunks left in {len(docs)} document(s) are cancelled" if docs else "")
             self._finalize_rerun(run_id, docs)

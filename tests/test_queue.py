@@ -304,3 +304,32 @@ def test_status_shows_pages_decoded_pages_left_and_when_they_should_be_done(tmp_
     assert "(its process is gone: the next worker closes it as crashed)" in text
     add_document(db, 1, "next.pdf")
     assert "waiting:   ... and 1 more (--limit)" in format_status(collect_status(db, limit=1))
+
+
+def test_a_rerun_on_another_host_is_closed_once_its_own_chunk_waited_a_lease(any_db):
+    """No pid to look at on another host (a shared PostgreSQL ledger): a re-run whose reserved chunk has been running
+    on an ended lease for longer than a lease is gone (a live one takes its own chunk back within a poll). Its run
+    closes as crashed and what it left is cancelled; a re-run whose lease ended only just now is left alone."""
+    from datetime import datetime, timezone
+
+    from db.models import Run
+    from db.runs import close_runs_of_gone_owners
+
+    db = any_db
+    doc = add_document(db, 2)
+    now = time.time()
+    with db.session() as s, s.begin():
+        for run_id in (1, 2):
+            s.add(Run(id=run_id, mode="lossless", model="m", engine_version="1", owner=f"otherhost:{run_id}:1",
+                      started_at=datetime.now(timezone.utc)))
+        s.flush()
+        for c, run_id, ended in zip(s.scalars(select(Chunk).order_by(Chunk.id)), (1, 2), (now - 400, now - 100)):
+            c.run_id, c.status, c.lease_expires_at = run_id, ChunkStatus.RUNNING, ended
+            c.lease_owner = f"otherhost:{run_id}:1"
+    assert close_runs_of_gone_owners(db, is_gone) == {}  # without the stale rule: another host is never judged
+    assert close_runs_of_gone_owners(db, is_gone, stale_before=now - 300) == {1: [doc]}
+    with db.session() as s:
+        runs = {r.id: r for r in s.scalars(select(Run))}
+        chunks = s.scalars(select(Chunk).order_by(Chunk.id)).all()
+    assert (runs[1].end_reason, runs[2].end_reason) == ("crashed", None)
+    assert [c.status for c in chunks] == [ChunkStatus.CANCELLED, ChunkStatus.RUNNING]
