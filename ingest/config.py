@@ -72,7 +72,7 @@ class Orientation(_Section):
     """Scans turned sideways or upside down (ingest.orientation documents each key)."""
 
     auto: bool = True
-    sideways_below: float = Field(default=0.67, gt=0.0)
+    sideways_below: float = Field(default=0.75, gt=0.0)
     upside_down_below: float = Field(default=-0.5, ge=-1.0, le=1.0)
     probe_tokens: int = Field(default=256, ge=8)
     min_gain: float = Field(default=0.1, ge=0.0)

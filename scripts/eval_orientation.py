@@ -6,7 +6,8 @@ with one JSON line.
     python scripts/eval_orientation.py --model models/demo --pages 24 [--samples ../shared/samples/real]
 
 --samples: also the stripe ratio and ragged edges of every page of the real sample files (no model): which ones
-would be probed.
+would be probed. The record also has the stripe ratios of 15 born-digital list pages (2-14 words a line, 8-34
+lines, made with pymupdf: a register or an index) upright and turned a quarter (no model).
 """
 
 from __future__ import annotations
@@ -54,6 +55,31 @@ def sample_ratios(folder: Path) -> list[dict]:
             rows.append({"file": f.name, "page": p.index, "ratio": None if r is None else round(r, 3),
                          "edges": None if e is None else round(e, 3)})
     return rows
+
+
+def list_ratios() -> dict:
+    """Stripe ratios of list pages (short lines down the left of the page), upright and turned a quarter."""
+    import tempfile
+
+    import pymupdf
+
+    from ingest.render import render_pages
+
+    words = "the council met on Tuesday and agreed the budget for the year after a long debate about roads".split()
+    out = {"upright": [], "quarter": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for n_words in (2, 4, 7, 10, 14):
+            for n_lines in (8, 20, 34):
+                doc = pymupdf.open()
+                page = doc.new_page(width=595, height=842)
+                page.insert_textbox(pymupdf.Rect(50, 50, 545, 792), "\n".join(
+                    f"{i}. " + " ".join(words[:n_words]) for i in range(n_lines)), fontsize=14)
+                path = Path(tmp) / f"list_{n_words}_{n_lines}.pdf"
+                doc.save(path)
+                image = render_pages(path, "pdf", 1, 1)[0].image
+                out["upright"].append(round(stripe_ratio(image), 3))
+                out["quarter"].append(round(stripe_ratio(turn(image, 90)), 3))
+    return out
 
 
 def main(argv=None) -> int:
@@ -121,6 +147,9 @@ def main(argv=None) -> int:
               "by_way_it_came": {str(k): v for k, v in table.items()}, "probes": len(probe_s),
               "probe_s_mean": round(statistics.fmean(probe_s), 3) if probe_s else None,
               "seconds": round(time.time() - t0, 1)}
+    record["lists"] = list_ratios()
+    print(f"\nlist pages: stripe ratio upright {min(record['lists']['upright'])} - {max(record['lists']['upright'])}, "
+          f"turned a quarter {min(record['lists']['quarter'])} - {max(record['lists']['quarter'])}")
     if args.samples:
         record["samples"] = sample_ratios(Path(args.samples))
         sideways = [r for r in record["samples"] if r.get("ratio") is not None and r["ratio"] < config.sideways_below]

@@ -58,6 +58,10 @@ def test_lines_across_are_upright_and_lines_up_and_down_are_sideways(tmp_path):
     assert ragged_edges(page) > 0.5 and ragged_edges(turn(page, 180)) < CONFIG.upside_down_below  # ... the edges can
     assert stripe_ratio(Image.new("RGB", (600, 800), "white")) is None
     assert ragged_edges(Image.new("RGB", (600, 800), "white")) is None
+    # a list (a register, an index): short lines down the left, most of the page blank; measured over the whole
+    # page it read upright as sideways (0.44) and sideways as upright (2.29)
+    register = rendered(make_pdf(tmp_path / "register.pdf", ["\n".join(f"{i}. Meyer, Anna" for i in range(34))]))
+    assert stripe_ratio(register) > 1.5 and stripe_ratio(turn(register, 90)) < CONFIG.sideways_below
     assert turn(turn(page, 90), 270).tobytes() == page.tobytes()  # quarter turns lose no pixel
 
 
