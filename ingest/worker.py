@@ -146,10 +146,7 @@ class Worker:
                                .join(Document, Document.id == Page.document_id)
                                .where(Document.status == DocStatus.DONE).distinct()).all()
         for doc_id in redone:
-            with self.db.engine.begin() as conn:
-                ready = refresh_document(conn, doc_id) == "ready"
-            if ready:
-                self.finalize(doc_id)
+            self._finalize_if_ready(doc_id)
 
     # -- the loop --------------------------------------------------------------------------------
     def serve(self, stop: threading.Event, until: Callable[[], bool] | None = None) -> None:
@@ -405,10 +402,14 @@ class Worker:
             ids = s.scalars(select(Document.id).where(Document.status.in_([DocStatus.QUEUED, DocStatus.RUNNING]),
                                                       mine)).all()
         for doc_id in ids:
-            with self.db.engine.begin() as conn:
-                ready = refresh_document(conn, doc_id) == "ready"
-            if ready:
-                self.finalize(doc_id)
+            self._finalize_if_ready(doc_id)
+
+    def _finalize_if_ready(self, doc_id: int) -> None:
+        """Finish the document when none of its chunks is pending (db.queue.refresh_document says so)."""
+        with self.db.engine.begin() as conn:
+            ready = refresh_document(conn, doc_id) == "ready"
+        if ready:
+            self.finalize(doc_id)
 
     def finalize(self, doc_id: int) -> Path | None:
         """Write document.md/json (latest page of each index), archive the original, mark it done. Returns the
