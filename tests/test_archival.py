@@ -148,6 +148,7 @@ class ScriptedDecoder:
 
 def scanned_pdf(path: Path, n: int, size=(576, 768)) -> Path:
     """Image-only pages with some ink, as a scanner writes them (no text layer)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     doc = pymupdf.open()
     for i in range(n):
         img = Image.new("L", (1200, 1600), 255)
@@ -156,7 +157,7 @@ def scanned_pdf(path: Path, n: int, size=(576, 768)) -> Path:
         img.save(png)
         page = doc.new_page(width=size[0], height=size[1])
         page.insert_image(page.rect, filename=str(png))
-    path.parent.mkdir(parents=True, exist_ok=True)
+        png.unlink()
     doc.save(path)
     return path
 
@@ -266,3 +267,134 @@ def test_the_pdf_is_pdfa_2b_with_embedded_fonts_and_each_word_inside_its_element
                     assert words[k][4] == text
                     assert pymupdf.Rect(words[k][:4]) in el + (-0.5, -0.5, 0.5, 0.5), (text, words[k][:4], el)
                     k += 1
+
+
+# -- pages read turned, born-digital pages, no OCRmyPDF ------------------------------------------------------------
+def test_a_page_read_turned_says_so_and_is_laid_out_as_read(tmp_path):
+    from ingest.alto import write_alto
+
+    page = {"index": 1, "text": PAGE_TEXTS[1], "run_id": 1,
+            "stats": {"image_size": [1024, 724], "orientation": {"turned": 90}, "mode": "lossless"}}
+    from ingest.word_layout import stored_layout
+
+    layout = stored_layout(page)
+    (f,) = write_alto(tmp_path, [layout], {"name": "quer.pdf", "page_count": 1}, {"id": 1, "model": "m"}, [page])
+    tree = etree.parse(str(f))
+    etree.XMLSchema(etree.parse(str(SCHEMA))).assertValid(tree)
+    pg = tree.find(f".//{ALTO}Page")
+    assert (pg.get("WIDTH"), pg.get("HEIGHT"), pg.get("ROTATION")) == ("1024", "724", "90")
+    assert "turned 90 degrees clockwise" in tree.find(f".//{ALTO}processingStepSettings").text
+    assert all(s.get("WC") is None for s in tree.iter(f"{ALTO}String"))  # no probabilities stored: no WC
+
+
+def test_born_digital_pages_keep_their_own_text(tmp_path):
+    from loguru import logger
+
+    from ingest.pdfa import write_document_pdf
+
+    doc = pymupdf.open(make_pdf(tmp_path / "digital.pdf", ["Original layer text"]))
+    doc.insert_pdf(pymupdf.open(scanned_pdf(tmp_path / "scan.pdf", 1, size=(595, 842))))
+    doc.save(tmp_path / "mixed.pdf")
+    pages = [{"index": 1, "text": "<|det|>text [100, 100, 900, 200]<|/det|>model text one",
+              "stats": {"image_size": [724, 1024]}},
+             {"index": 2, "text": PAGE_TEXTS[1], "stats": {"image_size": [724, 1024]}}]
+    js = tmp_path / "document.json"
+    js.write_text(json.dumps({"pages": pages}), encoding="utf-8")
+    said = []
+    sink = logger.add(said.append, level="WARNING", format="{message}")
+    try:
+        kind = write_document_pdf(tmp_path / "document.pdf", tmp_path / "mixed.pdf", "pdf", pages, js)
+    finally:
+        logger.remove(sink)
+    with pymupdf.open(tmp_path / "document.pdf") as out:
+        first, second = (p.get_text("text") for p in out)
+    assert "Original layer text" in first and "model text one" not in first
+    assert " ".join(second.split()) == " ".join(plain_words(PAGE_TEXTS[1]))
+    if kind == "searchable":  # Ghostscript 10.0-10.02: OCRmyPDF refuses to keep existing text with it; we say so
+        assert said and "not PDF/A" in said[0] and "Ghostscript" in said[0]
+    else:
+        with pikepdf.open(tmp_path / "document.pdf") as pdf:
+            assert pdf.open_metadata().pdfa_status == "2B"
+
+
+def test_without_ocrmypdf_the_searchable_pdf_is_written_and_the_reason_logged(tmp_path, monkeypatch):
+    from loguru import logger
+
+    from ingest.pdfa import write_document_pdf
+
+    monkeypatch.setitem(sys.modules, "ocrmypdf", None)  # import ocrmypdf -> ImportError
+    pages = [{"index": 1, "text": PAGE_TEXTS[1], "stats": {"image_size": [768, 1024]}}]
+    said = []
+    sink = logger.add(said.append, level="WARNING", format="{message}")
+    try:
+        kind = write_document_pdf(tmp_path / "document.pdf", scanned_pdf(tmp_path / "s.pdf", 1), "pdf", pages,
+                                  tmp_path / "unused.json")
+    finally:
+        logger.remove(sink)
+    assert kind == "searchable" and "OCRmyPDF is not installed" in said[0]
+    with pymupdf.open(tmp_path / "document.pdf") as out:
+        assert "Ελληνικά" in out[0].get_text("text")
+
+
+def test_outputs_formats_default_and_json_is_kept(tmp_path):
+    from ingest.config import load_settings
+    from ingest.errors import ConfigError
+    from tests.conftest import write_config
+
+    assert load_settings(write_config(tmp_path)).outputs.formats == ["md", "json", "pdf", "alto"]
+    with pytest.raises(ConfigError, match="keep \"json\" in outputs.formats"):
+        load_settings(write_config(tmp_path, outputs={"formats": ["md", "alto"]}))
+    with pytest.raises(ConfigError, match="outputs.formats"):
+        load_settings(write_config(tmp_path, outputs={"formats": ["json", "docx"]}))
+
+
+def test_a_rerun_rewrites_every_format(tmp_path, tiny_model_dir):
+    """The tiny random model writes anything (stray markup included): every ALTO file still validates, and a
+    re-run rewrites ALTO, hOCR and the PDF with the new run's pages."""
+    cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_tokens_per_page": 8},
+                        outputs={"formats": ["md", "json", "pdf", "alto", "hocr"]})
+    r = uflash("--config", str(cfg), "run", str(scanned_pdf(tmp_path / "in" / "akte.pdf", 2)), timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    folder = tmp_path / "outbox" / "akte"
+    files = [folder / "alto" / "0001.xml", folder / "alto" / "0002.xml", folder / "document.hocr",
+             folder / "document.pdf"]
+    before = {f: f.stat().st_mtime_ns for f in files}
+    r = uflash("--config", str(cfg), "rerun", "--doc", "1", "--mode", "plain", timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert all(f.stat().st_mtime_ns > before[f] for f in files)
+    meta = json.loads((folder / "document.json").read_text(encoding="utf-8"))
+    schema = etree.XMLSchema(etree.parse(str(SCHEMA)))
+    for f, page in zip(files[:2], meta["pages"]):
+        tree = etree.parse(str(f))
+        schema.assertValid(tree)
+        assert [s.get("CONTENT") for s in tree.iter(f"{ALTO}String")] == plain_words(page["text"])
+        assert tree.find(f".//{ALTO}processingDateTime").text == meta["run"]["started_at"]
+
+
+# -- uflash as OCRmyPDF's engine ----------------------------------------------------------------------------------
+@needs_demo
+def test_ocrmypdf_with_the_uflash_plugin_writes_the_text_uflash_run_writes(tmp_path):
+    """A 2-page scan: ``ocrmypdf --plugin ingest.ocrmypdf_plugin`` (demo model, CPU) writes a PDF/A whose text, page
+    by page and word for word, is what ``uflash run`` writes for the same file."""
+    from scripts.synth import make_document
+    from tests.conftest import write_config
+
+    data, _ = make_document(880_100, 2, scan=True)
+    scan = tmp_path / "scan.pdf"
+    scan.write_bytes(data)
+    cfg = write_config(tmp_path, model={"path": str(DEMO), "device": "cpu", "dtype": "float32"},
+                       engine={"max_pages_per_chunk": 4}, outputs={"formats": ["md", "json"]})
+    r = uflash("--config", str(cfg), "run", str(scan), timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    meta = json.loads((tmp_path / "outbox" / "scan" / "document.json").read_text(encoding="utf-8"))
+    assert all(plain_words(p["text"]) for p in meta["pages"])
+    out = tmp_path / "ocrmypdf.pdf"
+    r = subprocess.run([sys.executable, "-m", "ocrmypdf", "--plugin", "ingest.ocrmypdf_plugin", "--uflash-config",
+                        str(cfg), str(scan), str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    with pymupdf.open(out) as doc:
+        assert [[w[4] for w in page.get_text("words")] for page in doc] == \
+            [plain_words(p["text"]) for p in meta["pages"]]
+    with pikepdf.open(out) as pdf:
+        assert pdf.open_metadata().pdfa_status == "2B"
+        assert "uflash" in str(pdf.open_metadata().get("xmp:CreatorTool"))
