@@ -123,7 +123,8 @@ class UflashEngine(OcrEngine):
         m = re.match(r"(\d+)_", Path(input_file).name)
         page = stored_pages(options).get(int(m.group(1))) if m else None
         turned = ((page or {}).get("stats") or {}).get("orientation", {}).get("turned", 0)
-        return OrientationConfidence(angle=turned % 360, confidence=100.0 if turned else 0.0)
+        # OCRmyPDF turns the page by the counterclockwise correction of the angle it is told: uflash turned clockwise
+        return OrientationConfidence(angle=(-turned) % 360, confidence=100.0 if turned else 0.0)
 
     @staticmethod
     def get_deskew(input_file: Path, options: Any) -> float:

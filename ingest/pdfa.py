@@ -7,8 +7,8 @@ viewer selects that word; embedded fonts; the PDF/A-2b conversion and its XMP id
 
 - The scan under the text: a PDF original's own pages; an image original (TIFF, PNG, JPEG) one page per frame, as
   the searchable PDF makes them (ingest.searchable_pdf: upright, at the image's DPI).
-- A page the model read turned is shown turned the same way (its /Rotate changed), so its words fit the page as
-  displayed. A page that already has a text layer (born digital) keeps its own text (OCRmyPDF's ``skip`` mode).
+- A page the model read turned is shown turned the same way (the plugin reports the turn to OCRmyPDF, which turns
+  the page), so its words fit the page as displayed. A page that already has a text layer (born digital) keeps its own text (OCRmyPDF's ``skip`` mode).
 - When OCRmyPDF or Ghostscript is missing, or OCRmyPDF fails on the file, the log says why and ``document.pdf`` is
   the searchable PDF of ingest.searchable_pdf instead (not PDF/A).
 """
@@ -23,23 +23,16 @@ import pymupdf
 from loguru import logger
 
 from ingest.files import write_atomic
-from ingest.orientation import page_turn
 from ingest.searchable_pdf import _image_pages, _pdf_pages, write_searchable_pdf
 
 PLUGIN = "ingest.ocrmypdf_plugin"
 
 
-def _scan_pdf(source: Path, kind: str, pages: list[dict[str, Any]], out: Path) -> bool:
-    """The pages OCRmyPDF works on: the original's (decrypted), the pages read turned shown turned. Returns whether
-    a page has a text layer of its own."""
+def _scan_pdf(source: Path, kind: str, out: Path) -> bool:
+    """The pages OCRmyPDF works on: the original's (decrypted). Returns whether a page has a text layer of its own."""
     doc = _pdf_pages(source) if kind == "pdf" else _image_pages(source)
     try:
         has_text = any(page.get_text("text").strip() for page in doc)
-        for p in pages:
-            if 1 <= p["index"] <= doc.page_count and (turned := page_turn(p.get("stats"))):
-                page = doc[p["index"] - 1]
-                if not page.get_text("text").strip():
-                    page.set_rotation((page.rotation + turned) % 360)
         doc.save(out, garbage=1, encryption=pymupdf.PDF_ENCRYPT_NONE)
     finally:
         doc.close()
@@ -60,7 +53,7 @@ def ocrmypdf_pdfa(out: Path, source: Path, kind: str, pages: list[dict[str, Any]
 
     with tempfile.TemporaryDirectory(prefix="uflash-pdfa-") as tmp:
         scan, made = Path(tmp) / "scan.pdf", Path(tmp) / "document.pdf"
-        has_text = _scan_pdf(source, kind, pages, scan)
+        has_text = _scan_pdf(source, kind, scan)
         # born-digital pages keep their text (skip mode); a document of scans only needs no skipping (and Ghostscript
         # 10.0-10.02, refused by OCRmyPDF for skip mode, can still make its PDF/A)
         code = ocrmypdf.ocr(scan, made, output_type="pdfa-2", mode="skip" if has_text else None, plugins=_plugins(),

@@ -398,3 +398,29 @@ def test_ocrmypdf_with_the_uflash_plugin_writes_the_text_uflash_run_writes(tmp_p
     with pikepdf.open(out) as pdf:
         assert pdf.open_metadata().pdfa_status == "2B"
         assert "uflash" in str(pdf.open_metadata().get("xmp:CreatorTool"))
+
+
+def test_a_page_read_turned_is_shown_turned_in_the_pdfa_with_its_words_upright(tmp_path):
+    from ingest.pdfa import write_document_pdf
+
+    img = Image.new("L", (1200, 1600), 255)
+    ImageDraw.Draw(img).rectangle([0, 0, 200, 200], fill=0)  # a mark in the scan's top left corner
+    img.save(tmp_path / "mark.png")
+    doc = pymupdf.open()
+    doc.new_page(width=576, height=768).insert_image(pymupdf.Rect(0, 0, 576, 768), filename=str(tmp_path / "mark.png"))
+    doc.save(tmp_path / "sideways.pdf")
+    pages = [{"index": 1, "text": "<|det|>title [0, 0, 500, 100]<|/det|>Oben links",
+              "stats": {"image_size": [1024, 768], "orientation": {"turned": 90}}}]
+    (tmp_path / "document.json").write_text(json.dumps({"pages": pages}), encoding="utf-8")
+    kind = write_document_pdf(tmp_path / "document.pdf", tmp_path / "sideways.pdf", "pdf", pages,
+                              tmp_path / "document.json")
+    assert kind == "pdfa-2b"
+    with pymupdf.open(tmp_path / "document.pdf") as out:
+        page = out[0]
+        assert page.rect.width > page.rect.height  # shown as read: landscape
+        pix = page.get_pixmap(dpi=20)
+        assert pix.pixel(pix.width - 2, 1) == (0, 0, 0)  # turned 90 degrees clockwise: the mark is top right
+        words = page.get_text("words")
+        assert [w[4] for w in words] == ["Oben", "links"]
+        title = pymupdf.Rect(0, 0, page.rect.width * 500 / GRID, page.rect.height * 100 / GRID) + (-0.5, -0.5, 0.5, 0.5)
+        assert all(pymupdf.Rect(w[:4]) in title for w in words)
