@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+from ingest.orientation import page_turn
+
 GRID = 999  # the model's boxes are on a 0-999 grid of the page
 WHOLE_PAGE = (20, 20, 979, 979)  # where text outside any element goes (as the searchable PDF places it)
 PICTURE_LABELS = frozenset({"image", "figure", "picture", "photo", "chart", "graphic", "diagram", "illustration",
@@ -161,7 +163,6 @@ class Block:
     kind: str  # text | table | picture
     box: Box
     lines: list[Line]
-    estimated_box: bool = False  # True when the model gave no box (text outside any element)
 
 
 @dataclass
@@ -241,16 +242,9 @@ def layout_page(text: str, index: int, width: int, height: int, rotation: int = 
         kind = "picture" if label.lower() in PICTURE_LABELS else \
             "table" if (label.lower() in TABLE_LABELS or s.table) else "text"
         box = _pixels(s.grid_box or WHOLE_PAGE, width, height)
-        blocks.append(Block(label, kind, box, _lay_lines(s.lines, box, conf[k:k + n]), s.grid_box is None))
+        blocks.append(Block(label, kind, box, _lay_lines(s.lines, box, conf[k:k + n])))
         k += n
     return PageLayout(index, width, height, rotation, blocks)
-
-
-def page_turn(stats: dict[str, Any] | None) -> int:
-    """Degrees clockwise a stored page was turned to be read (0: as it came)."""
-    from ingest.orientation import page_turn as turned
-
-    return turned(stats)
 
 
 def stored_layout(page: dict[str, Any], size: tuple[int, int] | None = None) -> PageLayout:
