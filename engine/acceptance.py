@@ -45,7 +45,7 @@ def accept(rows: Sequence[Sequence[float]], n_draft: int, rule: NoRepeatNgramRul
     out = Accepted([], [])
     for i in range(n_draft + 1):
         banned = rule.banned(draft[:i])
-        target, best, lse, drafted = int(rows[i][0]), rows[i][1], rows[i][2], rows[i][3]
+        target, best, lse, drafted = int(rows[i][0]), float(rows[i][1]), float(rows[i][2]), float(rows[i][3])
         if target in banned:  # rare: the argmax itself is banned; take the row's greedy choice after the bans
             row = logits_row(i)
             target = greedy_token(row, banned)
