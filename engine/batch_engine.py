@@ -185,12 +185,17 @@ class BatchEngine:
         return finished
 
     @torch.inference_mode()
-    def reset(self) -> list[ChunkRequest]:
-        """Drop every row and the queue (after an error the caller handles); returns their requests."""
-        dropped = [r.request for r in self.rows if r is not None] + list(self.pending)
+    def drop_rows(self) -> list[ChunkRequest]:
+        """Free every row (after an error the caller handles); returns their requests. The queue stays."""
+        dropped = [r.request for r in self.rows if r is not None]
         for row in [r for r in self.rows if r is not None]:
             self.rows[row.index] = None
             self.kv.close_row(row.index)
+        return dropped
+
+    def reset(self) -> list[ChunkRequest]:
+        """Drop every row and the queue; returns their requests."""
+        dropped = self.drop_rows() + list(self.pending)
         self.pending.clear()
         return dropped
 

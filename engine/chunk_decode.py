@@ -248,6 +248,7 @@ class EngineDecoder:
         self.model_name = self.loaded.name
         self.device = str(self.loaded.device)
         self._limits: dict[int, bool] = {}  # id(request) -> whether its token limit is the context room
+        self._ended: list[tuple[Any, ChunkOutput | BaseException]] = []  # ended during another caller's decode
 
     def describe(self) -> dict[str, Any]:
         e = self.engine
@@ -281,9 +282,12 @@ class EngineDecoder:
         self.engine.submit(request)
         return None
 
-    def poll(self) -> list[tuple[Any, ChunkOutput]]:
-        """One engine step; the chunks that ended in it."""
-        return [(res.request.key, self._output(res)) for res in self.engine.step()]
+    def poll(self) -> list[tuple[Any, ChunkOutput | BaseException]]:
+        """One engine step; the chunks that ended in it (and those another caller's ``decode`` saw end). A chunk
+        that does not fit alone in memory comes back as its ``torch.OutOfMemoryError`` (the engine first gives
+        the batch's other rows back to the queue), so the caller can split it."""
+        done, self._ended = self._ended, []
+        return done + self.engine_step()
 
     def abandon(self) -> list[Any]:
         """Drop every chunk in flight or queued (after an error); returns their keys."""
@@ -294,18 +298,30 @@ class EngineDecoder:
 
     def decode(self, images: list, context_limit: int, max_new_tokens: int | None = None,
                reference_texts: list[str] | None = None, replay_ids: list[int] | None = None) -> ChunkOutput:
-        if self.engine.busy:
-            raise RuntimeError("decode() needs an idle engine; use submit/poll alongside other chunks")
-        early = self.submit(None, images, context_limit, max_new_tokens, reference_texts, replay_ids)
+        """One chunk to its end (e.g. an orientation probe). Other chunks in flight go on meanwhile; those that
+        end come back from the next ``poll``."""
+        mine = object()
+        early = self.submit(mine, images, context_limit, max_new_tokens, reference_texts, replay_ids)
         if early is not None:
             return early
-        try:
-            while True:
-                for _, out in self.poll():
+        while True:
+            for key, out in self.engine_step():
+                if key is mine:
+                    if isinstance(out, BaseException):
+                        raise out
                     return out
-        except BaseException:
-            self.abandon()
-            raise
+                self._ended.append((key, out))
+
+    def engine_step(self) -> list[tuple[Any, ChunkOutput | BaseException]]:
+        """One engine step: the chunks that ended in it; out of memory with one chunk alone in the batch: that
+        chunk, with the error (the queue stays)."""
+        try:
+            return [(res.request.key, self._output(res)) for res in self.engine.step()]
+        except torch.OutOfMemoryError as exc:
+            dropped = self.engine.drop_rows() or [self.engine.pending.popleft()]  # the admission of one chunk
+            for request in dropped:
+                self._limits.pop(id(request), None)
+            return [(request.key, exc) for request in dropped]
 
     def _output(self, res) -> ChunkOutput:
         request = res.request

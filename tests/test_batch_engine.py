@@ -261,3 +261,44 @@ def test_cuda_invariant_kernels_in_bf16_do_not_depend_on_the_batch(tmp_path):
     batch = engine.run([engine.prepare(c, 200, replay_ids=solo.output_ids if i == 0 else None)
                         for i, c in enumerate(chunks)])
     assert batch[0].output_ids == solo.output_ids and batch[0].logprobs == solo.logprobs
+
+
+def test_the_decoder_serves_a_decode_while_chunks_are_in_flight(models, official):
+    """`EngineDecoder.decode` (an orientation probe, say) runs beside submitted chunks; those that end meanwhile come
+    back from the next poll, every one exact."""
+    from engine.chunk_decode import EngineDecoder
+
+    loaded = models[8]
+    decoder = EngineDecoder(BatchEngine(loaded, "lossless", max_batch=3))
+    for i in (0, 1, 2):
+        assert decoder.submit(i, CHUNKS[i], 4096, limit(8, i)) is None
+    probe = decoder.decode(CHUNKS[3], 4096, 20)
+    assert probe.output_ids == official(8, 3, 20)
+    outputs = {}
+    while decoder.busy or len(outputs) < 3:
+        outputs.update(decoder.poll())
+    assert {k: out.output_ids for k, out in outputs.items()} == {i: official(8, i) for i in (0, 1, 2)}
+    assert decoder.free_rows == 3
+
+
+def test_a_chunk_that_does_not_fit_alone_comes_back_with_its_error(models, official, monkeypatch):
+    from engine.chunk_decode import EngineDecoder
+
+    loaded = models[8]
+    decoder = EngineDecoder(BatchEngine(loaded, "plain", max_batch=2))
+    real = decoder.engine.forward.step_body
+
+    def alone_too_big(n, w, prefix_bucket):
+        if decoder.engine.active == 1 and decoder.engine.rows[0] is not None and decoder.engine.rows[0].request.key == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(n, w, prefix_bucket)
+
+    monkeypatch.setattr(decoder.engine.forward, "step_body", alone_too_big)
+    decoder.engine.row_limit = 1  # one row: chunk 1 alone, chunk 2 waits in the queue
+    for i in (1, 2):
+        decoder.submit(i, CHUNKS[i], 4096, limit(8, i))
+    results = {}
+    while decoder.busy:
+        results.update(decoder.poll())
+    assert isinstance(results[1], torch.OutOfMemoryError)
+    assert results[2].output_ids == official(8, 2)  # the queue went on
