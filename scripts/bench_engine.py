@@ -375,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k-max", type=int, default=16)
     ap.add_argument("--vision-group", type=int, default=8)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (a loaded CPU: 1)")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--plant", type=float, default=100.0)
     args = ap.parse_args(argv)
@@ -385,8 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     args.rates = [int(r) for r in args.rates.split(",") if r]
     args.mem_tokens = [int(t) for t in args.mem_tokens.split(",") if t]
     args.invariance = [int(b) for b in args.invariance.split(",") if b]
-    if args.tiny:
-        torch.set_num_threads(2)
+    if args.threads or args.tiny:
+        torch.set_num_threads(args.threads or 2)
 
     def log(msg):
         print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", flush=True)
