@@ -8,6 +8,7 @@ cannot be captured. The CUDA tests at the end run only where CUDA is available (
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -286,6 +287,18 @@ def test_logprobs_and_fast_mode_at_threshold_one(models, official):
         assert sum(r.stats["relaxed_tokens"] for r in results) == 0
         for r, want in zip(results, reference):
             torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(want), rtol=1e-4, atol=1e-4)
+
+
+def test_logprobs_are_python_floats_that_json_can_store(models, official):
+    """The worker stores each page's log-probabilities and quality figures as JSON: every log-probability must be a
+    Python float, those of verified drafts included (not numpy scalars from the step's summary)."""
+    loaded = models[8]
+    expected = [official(8, i) for i in range(len(CHUNKS))]
+    results = decode_all(loaded, expected, "lossless", 3, drafts="half")
+    assert [r.output_ids for r in results] == expected
+    kinds = {type(lp).__name__ for r in results for lp in r.logprobs}
+    assert kinds == {"float"}, kinds
+    json.dumps([r.logprobs for r in results])
 
 
 def test_moe_auto_choice():
