@@ -40,6 +40,19 @@ from engine.step_graphs import GraphCaptureError, StepGraphs, cuda_graphs_availa
 from engine.step_width import StepWidth
 from engine.vision import embed_chunks
 
+PREFILL_TOKENS = 16384  # prefix tokens prefilled in one forward at most (chunks of one prefix length together)
+SKIP_AFTER, SKIP_EVERY = 8, 8  # `BatchEngine._drafting_pays`
+
+
+def prefill_groups(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices of chunks grouped by prefix length, each group within ``budget`` tokens (at least one chunk)."""
+    groups: list[list[int]] = []
+    for length in sorted(set(lengths)):
+        same = [i for i, n in enumerate(lengths) if n == length]
+        per = max(1, budget // length)
+        groups += [same[i : i + per] for i in range(0, len(same), per)]
+    return groups
+
 
 @dataclass
 class ChunkRequest:
@@ -121,6 +134,8 @@ class BatchEngine:
         self.rows: list[Row | None] = [None] * max_batch
         self.pending: deque[ChunkRequest] = deque()
         self.steps = 0
+        self._plain_streak = self._since_plan = 0
+        self.timing = {"vision_s": 0.0, "prefill_s": 0.0, "steps_s": 0.0}  # wall time of the engine's work
 
     # --- the queue ---------------------------------------------------------------------------------------
 
@@ -188,37 +203,43 @@ class BatchEngine:
             return []
         t0 = time.perf_counter()
         try:
-            prefixes = [len(r.inputs["input_ids"][0]) for r in take]
-            if self.kv.ensure_capacity(max(prefixes)) and self.graphs is not None:
+            if self.kv.ensure_capacity(max(len(r.inputs["input_ids"][0]) for r in take)) and self.graphs is not None:
                 self.graphs.clear()  # captured over the old buffers
             inputs = [r.inputs.to(self.loaded.device, dtype=self.loaded.dtype) for r in take]
             embeds = embed_chunks(self.loaded.model, self.loaded.image_token_id, inputs, self.vision_group,
                                   self.pad_vision)
+            vision_s = (time.perf_counter() - t0) / len(take)
+            self.timing["vision_s"] += vision_s * len(take)
+            finished = []
+            for group in prefill_groups([e.shape[1] for e in embeds], PREFILL_TOKENS):
+                t1 = time.perf_counter()
+                rows = [free[j] for j in group]
+                logits, features = self.forward.prefill(rows, torch.cat([embeds[j] for j in group]))
+                self.timing["prefill_s"] += time.perf_counter() - t1
+                share = vision_s + (time.perf_counter() - t1) / len(group)
+                for k, j in enumerate(group):
+                    row = Row(take[j], rows[k], self.rules[take[j].kind], self._drafters_for(take[j], rows[k]),
+                              self.k_max)
+                    if self.block is not None:
+                        self.block.start(rows[k], features[k])
+                    row.start(logits[k], prefill_s=share, eos=self.eos)
+                    self.rows[rows[k]] = row
+                    if row.done(self.eos):
+                        finished.append(self._finish(row))
         except torch.OutOfMemoryError as exc:
-            self.pending.extendleft(reversed(take))
+            admitted = {id(r.request) for r in self.rows if r is not None}
+            self.pending.extendleft(reversed([r for r in take if id(r) not in admitted]))
             if not self.active:
                 raise
             self._shrink(self.active, exc)
             return []
-        share = (time.perf_counter() - t0) / len(take)
-        finished = []
-        for request, embed, row_index in zip(take, embeds, free):
-            t1 = time.perf_counter()
-            logits, features = self.forward.prefill(row_index, embed)
-            row = Row(request, row_index, self.rules[request.kind], self._drafters_for(request, row_index), self.k_max)
-            if self.block is not None:
-                self.block.start(row_index, features)
-            row.start(logits, prefill_s=share + time.perf_counter() - t1, eos=self.eos)
-            self.rows[row_index] = row
-            if row.done(self.eos):
-                finished.append(self._finish(row))
         return finished
 
     def _step(self) -> list[ChunkResult]:
         t0 = time.perf_counter()
         live = [r for r in self.rows if r is not None]
         n = bucket(live[-1].index + 1, self.row_buckets)
-        drafting = self.mode != "plain"
+        drafting = self.mode != "plain" and self._drafting_pays()
         plans = [r.plan() if drafting else (None, [], 0) for r in live]
         w = 1
         if drafting and not self.adaptive_width:
@@ -226,12 +247,14 @@ class BatchEngine:
         elif drafting:
             wants = [self._accept_at(row, name, len(d) or k) for row, (name, d, k) in zip(live, plans)]
             w = self.step_width.choose(n, wants, any(k for _, _, k in plans))
+            self._plain_streak = self._plain_streak + 1 if w == 1 else 0
+        # every width's columns are staged (a graph captured now for a wider step writes only uncommitted positions)
         index = np.fromiter((r.index for r in live), dtype=np.int64, count=len(live))
-        ids, pos = self.kv.host_ids, self.kv.host_pos
-        ids[:n, :w] = 0
-        pos[:n, :w] = np.arange(w)[None]
-        ids[index, :w] = np.fromiter((r.output[-1] for r in live), dtype=np.int64, count=len(live))[:, None]
-        pos[index, :w] = np.fromiter((r.length for r in live), dtype=np.int64, count=len(live))[:, None] + np.arange(w)
+        ids, pos, span = self.kv.host_ids, self.kv.host_pos, np.arange(self.kv.max_width)
+        ids[:n] = 0
+        pos[:n] = span[None]
+        ids[index] = np.fromiter((r.output[-1] for r in live), dtype=np.int64, count=len(live))[:, None]
+        pos[index] = np.fromiter((r.length for r in live), dtype=np.int64, count=len(live))[:, None] + span
         ks = [min(len(d) or dk, w - 1) for _, d, dk in plans]
         block_rows = np.zeros(n, dtype=bool)
         for row, (_, draft, device_k), k in zip(live, plans, ks):
@@ -240,13 +263,14 @@ class BatchEngine:
             elif k:
                 block_rows[row.index] = True
         t_draft = time.perf_counter()
-        self.kv.stage(n, w)
+        self.kv.stage()
         if block_rows.any():
             out = self.block.draft(n, ids[:n, 0].copy())
             width = min(w - 1, self.block.block)
             mask = torch.as_tensor(block_rows, device=out.device)[:, None]
             self.kv.ids[:n, 1 : 1 + width] = torch.where(mask, out[:, :width], self.kv.ids[:n, 1 : 1 + width])
         prefix_bucket = bucket(max(r.prefix_len for r in live), PREFIX_BUCKETS)
+        captures = self._captures()
         summary = self._run(n, w, min(prefix_bucket, self.kv.capacity))
         # while the device runs the step: the bans of every row that verifies no draft (its only row's bans)
         bans = [row.rule.banned() if not k else None for row, k in zip(live, ks)]
@@ -267,7 +291,9 @@ class BatchEngine:
         if self.block is not None:
             self.block.feed(counts, self.forward.step_features(n, w))
         seconds = time.perf_counter() - t0
-        self.step_width.observe(n, w, bool(block_rows.any()), seconds)
+        self.timing["steps_s"] += seconds
+        if self._captures() == captures:  # a step that captured graphs (or compiled kernels) says nothing of cost
+            self.step_width.observe(n, w, bool(block_rows.any()), seconds)
         share, draft_share = seconds / len(live), (t_draft - t0) / len(live)
         for row, k in zip(live, ks):
             row.account(share, draft_share, bool(k), len(live))
@@ -279,9 +305,25 @@ class BatchEngine:
     def _logits_row(self, n: int, w: int, row: int, i: int) -> torch.Tensor:
         return self.forward.step_logits(n, w)[row, i].float()
 
+    def _drafting_pays(self) -> bool:
+        """Draft this step? After ``SKIP_AFTER`` steps in a row at width 1 (drafts that do not pay at this load), the
+        rows draft only every ``SKIP_EVERY``-th step, to look again: the host's drafting is not spent for nothing."""
+        self._since_plan += 1
+        if self._plain_streak < SKIP_AFTER or self._since_plan >= SKIP_EVERY:
+            self._since_plan = 0
+            return True
+        return False
+
+    def _captures(self) -> int:
+        return sum(g.captured for g in (self.graphs, self.block and self.block.graphs) if g is not None)
+
     def _run(self, n: int, w: int, prefix_bucket: int) -> torch.Tensor:
         if self.graphs is not None:
             try:
+                if not self.graphs.has((n, w, prefix_bucket)):  # every width of these rows at once
+                    for width in self.widths:
+                        if not self.graphs.has((n, width, prefix_bucket)):
+                            self.graphs.capture((n, width, prefix_bucket))
                 return self.graphs.replay((n, w, prefix_bucket))
             except GraphCaptureError as exc:
                 logger.opt(exception=exc).warning("CUDA graphs off, steps run eagerly from now on: {}", exc)

@@ -70,6 +70,7 @@ class BatchForward:
             self.invariant = InvariantKernels(model)
         rows = slots.max_batch * slots.max_width
         with torch.inference_mode():
+            self._rows = torch.arange(slots.max_batch, device=self.device)
             # shared by every step (graphs write into it): the logits of the last step, and the features it kept
             self.logits = torch.zeros(rows * self.vocab, dtype=self.dtype, device=self.device)
             width = len(self.capture_layers) * config.hidden_size
@@ -79,34 +80,51 @@ class BatchForward:
     # --- prefill (eager) -------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, row: int, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Write the prefix ``embeds`` [1, L, hidden] into ``row`` and return the fp32 logits [vocab] of its last
-        position and the captured features [L, F] (None without capture layers). A chunk's prefill runs alone at
-        its own shapes, with the model's own modules (whatever ``kernels``): the same for a chunk alone or batched."""
-        length = embeds.shape[1]
-        self.slots.open_row(row, length)
-        positions = torch.arange(length, device=self.device)[None]
+    def prefill(self, rows: list[int], embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Write the prefixes ``embeds`` [g, L, hidden] (g chunks of one prefix length) into ``rows`` and return the
+        fp32 logits [g, vocab] of their last positions and the captured features [g, L, F] (None without capture
+        layers). Causal inside each prefix; the chunks never see each other. Torch kernels: the model's own
+        modules, as ``generate()`` runs the prompt. Invariant kernels: the same kernels as the steps, so a chunk's
+        prefix does not depend on the chunks prefilled beside it either."""
+        g, length = embeds.shape[:2]
+        for row in rows:
+            self.slots.open_row(row, length)
+        positions = torch.arange(length, device=self.device)[None].expand(g, length)
+        row_index = torch.as_tensor(rows, device=self.device)
+        where = (row_index[:, None].expand(g, length), self.slots.ring_size + positions)
         cos, sin = self.text.rotary_emb(embeds, position_ids=positions)
         hidden, kept = embeds, []
         for i, layer in enumerate(self.text.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(hidden)
-            q = attn.q_proj(x).view(1, length, -1, self.head_dim).transpose(1, 2)
-            k = attn.k_proj(x).view(1, length, -1, self.head_dim).transpose(1, 2)
-            v = attn.v_proj(x).view(1, length, -1, self.head_dim)
+            x = self._prefill_op(layer.input_layernorm, hidden)
+            q = self._prefill_op(attn.q_proj, x).view(g, length, -1, self.head_dim).transpose(1, 2)
+            k = self._prefill_op(attn.k_proj, x).view(g, length, -1, self.head_dim).transpose(1, 2)
+            v = self._prefill_op(attn.v_proj, x).view(g, length, -1, self.head_dim)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            self.slots.write_prefix(i, row, k[0].transpose(0, 1), v[0])
-            keys, values = k, v.transpose(1, 2)  # [1, kv_heads, L, dim]
-            if self.groups > 1:
-                keys = keys.repeat_interleave(self.groups, dim=1)
-                values = values.repeat_interleave(self.groups, dim=1)
-            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=attn.scaling)
-            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, length, -1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))  # as generate() runs the prompt
+            self.slots.write_step(i, where, k.transpose(1, 2), v)
+            if self.invariant is not None:
+                out = self._attend_step(i, q, positions.contiguous(), None, 0, attn.scaling, row_index)
+            else:
+                keys, values = k, v.transpose(1, 2)  # [g, kv_heads, L, dim]
+                if self.groups > 1:
+                    keys = keys.repeat_interleave(self.groups, dim=1)
+                    values = values.repeat_interleave(self.groups, dim=1)
+                out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=attn.scaling)
+            hidden = hidden + self._prefill_op(attn.o_proj, out.transpose(1, 2).reshape(g, length, -1))
+            x = self._prefill_op(layer.post_attention_layernorm, hidden)
+            hidden = hidden + (layer.mlp(x) if self.invariant is None else self._mlp(i, layer.mlp, x))
             if i in self.capture_layers:
-                kept.append(hidden[0])
-        logits = self.model.lm_head(self.text.norm(hidden[:, -1])).float()[0]
+                kept.append(hidden)
+        last = self._prefill_op(self.text.norm, hidden[:, -1:])
+        logits = self._prefill_op(self.model.lm_head, last.reshape(g, -1)).float()
         return logits, (torch.cat(kept, dim=-1) if kept else None)
+
+    def _prefill_op(self, module, x):
+        """A norm or projection of the prefill: the module itself (torch kernels) or its invariant kernel."""
+        if self.invariant is None:
+            return module(x)
+        return self.invariant.linear(module, x) if isinstance(module, torch.nn.Linear) else \
+            self.invariant.rms_norm(module, x)
 
     # --- one step (the graph body) --------------------------------------------------------------------------
 
@@ -148,11 +166,14 @@ class BatchForward:
     def step_features(self, n: int, w: int) -> torch.Tensor:
         return self.features[: n * w * self.feature_width].view(n, w, self.feature_width)
 
-    def _attend_step(self, layer: int, q, pos, mask, end: int, scaling):
+    def _attend_step(self, layer: int, q, pos, mask, end: int, scaling, rows: torch.Tensor | None = None):
+        """Attention of the queries ``q`` [n, heads, w, dim] at ``pos`` [n, w] of cache rows ``rows`` (default
+        ``0 .. n-1``) under the R-SWA rule."""
         slots = self.slots
         if self.invariant is not None:
+            rows = self._rows[: q.shape[0]] if rows is None else rows
             return self.invariant.step_attention(q, slots.keys[layer], slots.values[layer], slots.tags,
-                                                 slots.prefix_len, pos, slots.ring_size, self.window, scaling)
+                                                 slots.prefix_len, pos, rows, slots.ring_size, self.window, scaling)
         n = q.shape[0]
         keys = slots.keys[layer][:n, :end].transpose(1, 2)  # [n, kv_heads, slots, dim] views
         values = slots.values[layer][:n, :end].transpose(1, 2)

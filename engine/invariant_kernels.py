@@ -4,8 +4,9 @@ cuBLAS, PyTorch's reductions and fused attention pick their tiling and split the
 see, so in bf16 the same token computed in a batch of 64 or alone, or in a verify of width 9 or 1, rounds
 differently, and greedy decoding follows a different path after a near-tie. These kernels fix the reduction order
 of every row (after "Defeating nondeterminism in LLM inference"):
-- ``linear``: one tile configuration for every shape (``BLOCK_M x BLOCK_N x BLOCK_K``, no split-K): an output
-  element is the same k-loop of the same tensor-core products whatever the number of rows;
+- ``linear``: one tile configuration per weight shape (``BLOCK_M x BLOCK_N x BLOCK_K``, no split-K), never chosen
+  by the number of rows (which is not even specialised on): an output element is the same k-loop of the same
+  tensor-core products whatever the number of rows;
 - ``rms_norm`` and the row ``logsumexp``: one program per row, a fixed block walk over the row;
 - ``step_attention``: one program per (row, head, block of queries), walking that row's keys in fixed blocks from
   the first ring slot to the end of its own prefix with an online softmax; masked keys add exact zeros, so neither
@@ -35,7 +36,7 @@ ATTN_BLOCK_Q, ATTN_BLOCK_K = 16, 64
 
 # --- linear -----------------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
                    stride_cn, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -67,10 +68,11 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     N = weight.shape[0]
     if out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
+    block_n = 16 if N <= 64 else BLOCK_N  # per weight shape, never per row count: the router gets 4x the programs
+    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, block_n))
     _matmul_kernel[grid](x, weight, out, bias if bias is not None else x, M, N, K, x.stride(0), x.stride(1),
                          weight.stride(1), weight.stride(0), out.stride(0), out.stride(1), HAS_BIAS=bias is not None,
-                         IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+                         IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K)
     return out
 
 
@@ -83,6 +85,8 @@ def _grouped_kernel(a_ptr, w_ptr, c_ptr, rows_ptr, block_expert_ptr, N, K, strid
     row is -1 (padding) are skipped."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:  # a block past the last expert's slots: nothing to do
+        return
     slot = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row = tl.load(rows_ptr + slot)
     valid = row >= 0
@@ -94,7 +98,7 @@ def _grouped_kernel(a_ptr, w_ptr, c_ptr, rows_ptr, block_expert_ptr, N, K, strid
         a = tl.load(a_ptr + row[:, None] * stride_am + kk[None, :], mask=valid[:, None] & (kk[None, :] < K),
                     other=0.0)
         b = tl.load(w_ptr + expert * stride_we + kk[:, None] * stride_wk + rn[None, :] * stride_wn,
-                    mask=(kk[:, None] < K) & (rn[None, :] < N) & (expert >= 0), other=0.0)
+                    mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
         acc += tl.dot(a, b)
     tl.store(c_ptr + slot[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty),
              mask=valid[:, None] & (rn[None, :] < N))
@@ -185,19 +189,22 @@ def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
 
 # --- step attention ---------------------------------------------------------------------------------------------
 
-@triton.jit
-def _step_attention_kernel(q_ptr, k_ptr, v_ptr, tags_ptr, prefix_ptr, pos_ptr, o_ptr, W, C, window, scaling,
-                           stride_qb, stride_qh, stride_qw, stride_kb, stride_ks, stride_kh, stride_tb,
+@triton.jit(do_not_specialize=["W"])
+def _step_attention_kernel(q_ptr, k_ptr, v_ptr, tags_ptr, prefix_ptr, pos_ptr, rows_ptr, o_ptr, W, C, window,
+                           scaling, stride_qb, stride_qh, stride_qw, stride_kb, stride_ks, stride_kh, stride_tb,
                            stride_pb, stride_ob, stride_oh, stride_ow, GROUPS: tl.constexpr, D: tl.constexpr,
                            BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr):
-    b, h, qb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Queries of q's row i (cache row rows[i]) at positions pos[i]; prefix key j is seen when j < the row's prefix
+    length and j <= the query's position (a prefill is causal; a step's queries are past the whole prefix)."""
+    i, h, qb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b = tl.load(rows_ptr + i)
     kv_h = h // GROUPS
     qi = qb * BLOCK_Q + tl.arange(0, BLOCK_Q)
     qmask = qi < W
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + qi[:, None] * stride_qw + d[None, :], mask=qmask[:, None],
+    q = tl.load(q_ptr + i * stride_qb + h * stride_qh + qi[:, None] * stride_qw + d[None, :], mask=qmask[:, None],
                 other=0.0)
-    p = tl.load(pos_ptr + b * stride_pb + qi, mask=qmask, other=0)
+    p = tl.load(pos_ptr + i * stride_pb + qi, mask=qmask, other=0)
     prefix = tl.load(prefix_ptr + b)
     end = C + prefix
     m_i = tl.full((BLOCK_Q,), -1.0e30, dtype=tl.float32)
@@ -209,7 +216,8 @@ def _step_attention_kernel(q_ptr, k_ptr, v_ptr, tags_ptr, prefix_ptr, pos_ptr, o
         tag = tl.load(tags_ptr + b * stride_tb + s, mask=s < C, other=0)
         in_ring = s < C
         seen_ring = in_ring[None, :] & (tag[None, :] <= p[:, None]) & (tag[None, :] > p[:, None] - window)
-        seen = (seen_ring | ((~in_ring) & inside)[None, :]) & qmask[:, None]
+        seen_prefix = ((~in_ring) & inside)[None, :] & ((s - C)[None, :] <= p[:, None])
+        seen = (seen_ring | seen_prefix) & qmask[:, None]
         kv = b * stride_kb + s[:, None] * stride_ks + kv_h * stride_kh + d[None, :]
         k = tl.load(k_ptr + kv, mask=inside[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scaling
@@ -222,7 +230,7 @@ def _step_attention_kernel(q_ptr, k_ptr, v_ptr, tags_ptr, prefix_ptr, pos_ptr, o
         acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v).to(tl.float32)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(o_ptr + b * stride_ob + h * stride_oh + qi[:, None] * stride_ow + d[None, :],
+    tl.store(o_ptr + i * stride_ob + h * stride_oh + qi[:, None] * stride_ow + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=qmask[:, None])
 
 
@@ -245,13 +253,15 @@ class InvariantKernels:
                                            BLOCK=ROW_BLOCK)
         return y.view_as(x)
 
-    def step_attention(self, q, keys, values, tags, prefix_len, pos, ring_size: int, window: int, scaling: float):
-        """q [n, heads, w, dim]; keys/values [B, C + P, kv_heads, dim]; tags [B, C]; prefix_len [B]; pos [n, w]."""
+    def step_attention(self, q, keys, values, tags, prefix_len, pos, rows, ring_size: int, window: int,
+                       scaling: float):
+        """q [n, heads, w, dim] of cache rows ``rows`` [n]; keys/values [B, C + P, kv_heads, dim]; tags [B, C];
+        prefix_len [B]; pos [n, w] (stride 1 along w)."""
         n, heads, w, dim = q.shape
         q = q.contiguous()
         out = torch.empty_like(q)
         grid = (n, heads, triton.cdiv(w, ATTN_BLOCK_Q))
-        _step_attention_kernel[grid](q, keys, values, tags, prefix_len, pos, out, w, ring_size, window, scaling,
+        _step_attention_kernel[grid](q, keys, values, tags, prefix_len, pos, rows, out, w, ring_size, window, scaling,
                                      q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1),
                                      keys.stride(2), tags.stride(0), pos.stride(0), out.stride(0), out.stride(1),
                                      out.stride(2), GROUPS=self.groups, D=dim, BLOCK_Q=ATTN_BLOCK_Q,

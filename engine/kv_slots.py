@@ -62,9 +62,9 @@ class KVSlots:
         with torch.inference_mode():
             self.tags = torch.full((max_batch, self.ring_size), EMPTY, dtype=torch.long, device=self.device)
             self.prefix_len = torch.ones(max_batch, dtype=torch.long, device=self.device)
-            # step inputs, staged by the host (one copy a step) and read by the step graph
-            self.ids = torch.zeros(max_batch, max_width, dtype=torch.long, device=self.device)
-            self.pos = torch.zeros(max_batch, max_width, dtype=torch.long, device=self.device)
+            # step inputs (ids, positions), staged by the host in one copy a step and read by the step graph
+            self._staged = torch.zeros(2, max_batch, max_width, dtype=torch.long, device=self.device)
+            self.ids, self.pos = self._staged[0], self._staged[1]
         pinned = self.device.type == "cuda"
         self._host = torch.zeros(2, max_batch, max_width, dtype=torch.long, pin_memory=pinned)
         self.host_ids, self.host_pos = self._host.numpy()[0], self._host.numpy()[1]
@@ -94,7 +94,7 @@ class KVSlots:
 
     def nbytes(self) -> int:
         """Bytes of the cache buffers and static inputs; constant whatever the output lengths."""
-        tensors = [*self.keys, *self.values, self.tags, self.prefix_len, self.ids, self.pos]
+        tensors = [*self.keys, *self.values, self.tags, self.prefix_len, self._staged]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def bytes_per_row(self) -> int:
@@ -127,10 +127,10 @@ class KVSlots:
 
     # --- steps ----------------------------------------------------------------------------------------------
 
-    def stage(self, rows: int, width: int) -> None:
-        """Copy the host-staged ids and positions of rows ``[0, rows)`` to the device (asynchronous)."""
-        self.ids[:rows, :width].copy_(self._host[0, :rows, :width], non_blocking=True)
-        self.pos[:rows, :width].copy_(self._host[1, :rows, :width], non_blocking=True)
+    def stage(self) -> None:
+        """Copy the host-staged ids and positions to the device: one asynchronous copy of the whole (small) buffer
+        from pinned memory. The host writes the buffer again only after the step's results came back."""
+        self._staged.copy_(self._host, non_blocking=True)
 
     def tag_step(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tag the ring slots of the step's positions ``pos`` [n, w] (rows 0..n-1); returns (row index, ring index)

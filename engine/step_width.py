@@ -32,6 +32,7 @@ class StepWidth:
         self.cost: dict[tuple[int, int, bool], float] = {}  # (rows bucket, width, block draft) -> seconds
         self.records: dict[str, tuple[list[int], list[int]]] = {}  # drafter -> (accepted_at, proposed_at), all rows
         self.steps = 0
+        self._seen: set[tuple[int, int, bool]] = set()
 
     def record(self, drafter: str, proposed: int, accepted: int) -> None:
         """One verified draft of ``drafter`` over all rows: ``proposed`` tokens, the first ``accepted`` accepted."""
@@ -89,6 +90,10 @@ class StepWidth:
         return best
 
     def observe(self, rows: int, width: int, block: bool, seconds: float) -> None:
+        """A step's wall time; the first of each (rows, width, block) is dropped (one-off work lands there)."""
         key = (rows, width, block)
+        if key not in self._seen:
+            self._seen.add(key)
+            return
         old = self.cost.get(key)
         self.cost[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds

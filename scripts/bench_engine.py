@@ -14,7 +14,8 @@ prefills, decode; the device synchronised):
 - ``plain-torch``: the same with the torch kernels (what batch invariance costs);
 - ``lossless-R%``: drafts of controlled quality: each row's own plain output with R% of the tokens replaced by wrong
   ones (a positional replay drafter), R in ``--rates``; checked token for token against plain.
-Columns: aggregate tok/s (all rows' output tokens / wall time), decode tok/s (after the admissions), ms per step,
+Columns: aggregate tok/s (all rows' output tokens / wall time), decode tok/s (output tokens / the steps' wall time:
+admissions, i.e. vision and prefills, left out), ms per step,
 the x factors against generate and plain. ``invariant`` checks, per batch, that row 0's tokens and log-probabilities
 are bitwise those of the same chunk decoded alone (plain, batch 1), for both kernel sets. Then peak memory of
 ``plain`` at batch ``--mem-batch`` for each ``--mem-tokens`` output length (R-SWA keeps it flat).
@@ -22,8 +23,8 @@ are bitwise those of the same chunk decoded alone (plain, batch 1), for both ker
 Prints a table; the last line is one JSON object (also written to ``--json``). ``--tiny`` runs the tiny config on
 the CPU (a smoke test of this script).
 
-    python scripts/bench_engine.py --batch 1,8,32,64,128,256 --pages 1,4 --json $OUT/bench_engine.json
-    python scripts/bench_engine.py --tiny --batch 1,2 --pages 1 --tokens 24 --rates 10
+    python scripts/bench_engine.py --batch 1,8,32,64,128,256 --pages 1,4 --invariance 64 --json $OUT/bench_engine.json
+    python scripts/bench_engine.py --tiny --batch 1,2 --pages 1 --tokens 24 --rates 10 --mem-tokens ""
 """
 
 from __future__ import annotations
@@ -223,30 +224,29 @@ def run_engine(loaded, chunks, tokens: int, device: str, mode: str, kernels: str
     warm = [engine.prepare(c, 8, key=i) for i, c in enumerate(chunks)]  # graphs and kernels of this shape
     engine.run(warm)
     requests = [engine.prepare(c, tokens, key=i) for i, c in enumerate(chunks)]
+    engine.timing = dict.fromkeys(engine.timing, 0.0)
+    steps_before = engine.steps
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     sync(device)
     t0 = time.perf_counter()
     for r in requests:
         engine.submit(r)
-    results, steps, t_admitted = {}, 0, None
+    results = {}
     while engine.busy:
         for res in engine.step():
             results[res.request.key] = res
-        steps += 1
-        if t_admitted is None and not engine.pending:
-            sync(device)
-            t_admitted = time.perf_counter()
     sync(device)
     seconds = time.perf_counter() - t0
     n = sum(len(r.output_ids) for r in results.values())
-    decode_s = max(1e-9, seconds - (t_admitted - t0))
+    steps, decode_s = engine.steps - steps_before, max(1e-9, engine.timing["steps_s"])
     rounds = sum(r.stats["verify_rounds"] for r in results.values())
     row = {"seconds": round(seconds, 4), "tokens": n, "tok_s": round(n / seconds, 1),
            "decode_tok_s": round(n / decode_s, 1), "steps": steps,
            "ms_per_step": round(1000 * decode_s / max(steps, 1), 3),
            "tau": round(sum(r.stats["accepted_tokens"] for r in results.values()) / rounds, 3) if rounds else 0.0,
            "peak_gb": round(torch.cuda.max_memory_allocated() / 2**30, 3) if device.startswith("cuda") else None,
+           "admit_s": round(engine.timing["vision_s"] + engine.timing["prefill_s"], 3),
            "backend": "graphs" if engine.graphs is not None else "eager", "kernels": kernels}
     ids = {k: r.output_ids for k, r in results.items()}
     logprobs = {k: r.logprobs for k, r in results.items()}
@@ -261,7 +261,7 @@ def bench(loaded, pages: int, batch: int, args, log) -> dict:
     runs = out["runs"]
     try:
         if not args.no_generate:
-            runs["generate"] = run_generate(loaded, chunks, args.tokens, args.device)
+            runs["generate"] = run_generate(loaded, chunks, args.generate_tokens or args.tokens, args.device)
             log(f"  generate: {runs['generate']['tok_s']} tok/s")
     except Exception as exc:  # noqa: BLE001 - e.g. out of memory at this batch: record, go on
         out["errors"]["generate"] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -283,7 +283,7 @@ def bench(loaded, pages: int, batch: int, args, log) -> dict:
                 row["equal_to_plain"] = ids == plain_ids
             runs[name] = row
             log(f"  {name}: {row['tok_s']} tok/s ({row['decode_tok_s']} decoding), {row['ms_per_step']} ms/step, "
-                f"tau {row['tau']}")
+                f"tau {row['tau']}, admission {row['admit_s']} s")
         except Exception as exc:  # noqa: BLE001
             out["errors"][name] = f"{type(exc).__name__}: {str(exc)[:300]}"
             traceback.print_exc()
@@ -294,7 +294,7 @@ def bench(loaded, pages: int, batch: int, args, log) -> dict:
     for row in runs.values():
         row["x_generate"] = round(row["tok_s"] / anchor, 3) if anchor else None
         row["x_plain"] = round(row["tok_s"] / base, 3) if base else None
-    if args.invariance and plain_ids is not None and batch > 1:
+    if batch in args.invariance and plain_ids is not None and batch > 1:
         out["invariant"] = {}
         for kernels in [args.kernels] + (["torch"] if args.kernels != "torch" else []):
             _, alone_ids, alone_lps = run_engine(loaded, chunks[:1], args.tokens, args.device, "plain", kernels)
@@ -358,7 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kernels", default=None, help="invariant (GPU default) or torch")
     ap.add_argument("--no-torch", action="store_true", help="skip the plain-torch rows")
     ap.add_argument("--no-generate", action="store_true", help="skip the generate() anchor")
-    ap.add_argument("--invariance", action="store_true", help="check row 0 alone vs in the batch, per batch")
+    ap.add_argument("--invariance", default="", help="comma-separated batch sizes at which row 0 is checked alone vs in "
+                    "the batch (bitwise tokens and log-probabilities, both kernel sets)")
+    ap.add_argument("--generate-tokens", type=int, default=None,
+                    help="output tokens of the generate() anchor (default --tokens; its tok/s is per token)")
     ap.add_argument("--mem-tokens", default="1024,8192")
     ap.add_argument("--mem-batch", type=int, default=64)
     ap.add_argument("--k-max", type=int, default=16)
@@ -373,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     args.kernels = args.kernels or ("invariant" if args.device.startswith("cuda") else "torch")
     args.rates = [int(r) for r in args.rates.split(",") if r]
     args.mem_tokens = [int(t) for t in args.mem_tokens.split(",") if t]
+    args.invariance = [int(b) for b in args.invariance.split(",") if b]
     if args.tiny:
         torch.set_num_threads(2)
 
@@ -390,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
             for batch in [int(b) for b in args.batch.split(",")]:
                 log(f"{pages} page(s), batch {batch}")
                 report["results"].append(bench(loaded, pages, batch, args, log))
+                if args.json:  # what is measured so far survives a cut-off run
+                    args.json.parent.mkdir(parents=True, exist_ok=True)
+                    args.json.write_text(json.dumps(report, indent=1))
         if args.mem_tokens:
             log("memory")
             report["memory"] = bench_memory(loaded, args, log)

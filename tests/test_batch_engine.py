@@ -175,9 +175,9 @@ def test_step_width_follows_acceptance_and_cost():
     assert expected_tokens([1.0] * 4, 4) == 5 and expected_tokens([0.0] * 16, 16) == 1
     flat = lambda p: [p] * 16  # noqa: E731 - every position accepted with chance p
     assert chooser.choose(8, [flat(0.9)] * 8, block=False) == 17  # nothing measured: every width costs the same
-    chooser.observe(8, 1, False, 0.010)
-    chooser.observe(8, 17, False, 0.040)
-    chooser.observe(8, 4, False, 0.012)
+    for width, seconds in ((1, 0.010), (17, 0.040), (4, 0.012)):
+        chooser.observe(8, width, False, 10.0)  # the first step of a width (capture, compile): dropped
+        chooser.observe(8, width, False, seconds)
     assert chooser.choose(8, [flat(0.02)] * 8, block=False) == 1  # bad drafts, wide steps cost more: plain
     assert chooser.choose(8, [flat(0.99)] * 8, block=False) == 17  # good drafts pay for the width
     assert chooser.choose(8, [[0.9, 0.8, 0.6, 0.4] + [0.05] * 12] * 8, block=False) == 4
