@@ -327,12 +327,19 @@ def test_a_failed_graph_capture_falls_back_to_eager_steps_and_loses_nothing(mode
     class Failing:
         """Stands in for `StepGraphs` whose capture fails (a host sync in a kernel, out of memory ...)."""
 
+        captured = 0
+
         def __init__(self):
             self.tried = []
 
-        def replay(self, key):
+        def has(self, key):
+            return False
+
+        def capture(self, key):
             self.tried.append(key)
             raise GraphCaptureError(f"capture of {key} failed: simulated")
+
+        replay = capture
 
         def clear(self):
             pass
