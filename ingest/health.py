@@ -132,18 +132,21 @@ def read_trouble(logs: Path) -> list[dict[str, Any]]:
 
 
 def format_trouble(records: list[dict[str, Any]]) -> list[str]:
-    """Status lines: every trouble that lasts (loudly), and the last one that is over."""
-    lines = []
+    """Status lines: every trouble that lasts (loudly), and the last one that is over (or whose process ended
+    before it was over)."""
+    lines, past = [], []
     for r in records:
-        if r.get("over_at") is None:
-            gone = " (its process is gone)" if r["owner_gone"] else f", next try {r.get('next_try', '?')[11:19]}"
-            lines.append(f"TROUBLE:   {r['loop']} of {r['owner']} since {r.get('since', '?')[:19]} ({r.get('tries')} "
-                         f"tries{gone}): {r.get('problem')}")
-    over = [r for r in records if r.get("over_at") is not None]
-    if over:
-        r = max(over, key=lambda r: r["over_at"])
-        lines.append(f"last infrastructure error: {r['loop']} of {r['owner']}, {r.get('since', '?')[:19]} to "
-                     f"{r['over_at'][:19]} ({r.get('tries')} failed tries): {r.get('problem')}")
+        if r.get("over_at") is None and not r["owner_gone"]:
+            lines.append(f"TROUBLE:   {r['loop']} of {r['owner']} since {(r.get('since') or '?')[:19]} "
+                         f"({r.get('tries')} tries, next {(r.get('next_try') or '?')[11:19]}): {r.get('problem')}")
+        else:
+            past.append(r)
+    if past:
+        r = max(past, key=lambda r: r.get("over_at") or r.get("last_seen") or "")
+        until = f"to {r['over_at'][:19]}" if r.get("over_at") else \
+            f"until its process ended (last seen {(r.get('last_seen') or '?')[:19]})"
+        lines.append(f"last infrastructure error: {r['loop']} of {r['owner']}, {(r.get('since') or '?')[:19]} "
+                     f"{until} ({r.get('tries')} failed tries): {r.get('problem')}")
     return lines
 
 

@@ -277,3 +277,23 @@ def test_a_full_disk_for_the_outputs_fails_no_document(tmp_path, tiny_model_dir,
     assert "No space left on device" in read_trouble(s.logs)[0]["problem"]
     assert not any(s.inbox.iterdir()) and len(list(s.archive.iterdir())) == 2
     db.dispose()
+
+
+def test_the_trouble_of_a_process_that_ended_is_shown_as_past(tmp_path):
+    """A watcher killed while the ledger was down left its record unfinished: status shows it as the last error (until
+    its process ended), not as trouble now."""
+    import socket
+
+    from ingest.health import FOLDER
+
+    owner = f"{socket.gethostname()}:999999999:1"  # no such process
+    (tmp_path / FOLDER).mkdir()
+    (tmp_path / FOLDER / "x.json").write_text(json.dumps({"owner": owner, "loops": {"worker": {
+        "problem": "the ledger failed: OperationalError: connection refused", "since": "2026-12-01T10:00:00+00:00",
+        "last_seen": "2026-12-01T10:05:00+00:00", "tries": 9, "next_try": "2026-12-01T10:05:15+00:00",
+        "over_at": None}}}))
+    (rec,) = read_trouble(tmp_path)
+    assert rec["owner_gone"]
+    assert format_trouble([rec]) == [
+        f"last infrastructure error: worker of {owner}, 2026-12-01T10:00:00 until its process ended (last seen "
+        "2026-12-01T10:05:00) (9 failed tries): the ledger failed: OperationalError: connection refused"]
