@@ -19,9 +19,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
 from loguru import logger
 
-from engine.official import DecodeResult, official_generate, parse_elements, split_pages
+from engine.official import DecodeResult, decode_text, official_generate, parse_elements, split_pages
 from engine.model import PAGE_SEPARATOR, LoadedModel
 
 MIN_NEW_TOKENS = 16
@@ -231,26 +232,149 @@ class OfficialDecoder:
         return out
 
 
+SHARED_STATS = ("verify_rounds", "single_steps", "draft_tokens", "accepted_tokens", "relaxed_tokens",
+                "prefill_s", "draft_s", "verify_s", "single_s")
+
+
+class EngineDecoder:
+    """`engine.batch_engine.BatchEngine` as a ChunkDecoder (modes plain, lossless, fast): ``decode`` runs one chunk
+    to its end; ``submit`` / ``poll`` keep many in flight (the batch worker). Every chunk's tokens equal official
+    ``generate()`` of that chunk alone (fast mode: relaxed, never cut short)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.loaded = engine.loaded
+        self.mode = engine.mode
+        self.model_name = self.loaded.name
+        self.device = str(self.loaded.device)
+        self._limits: dict[int, bool] = {}  # id(request) -> whether its token limit is the context room
+        self._ended: list[tuple[Any, ChunkOutput | BaseException]] = []  # ended during another caller's decode
+
+    def describe(self) -> dict[str, Any]:
+        e = self.engine
+        return {**describe_model(self.loaded), "mode": e.mode, "k_max": e.k_max, "max_batch": e.max_batch,
+                "kernels": e.forward.kernels, "backend": "graphs" if e.graphs is not None else "eager",
+                "drafters": [] if e.mode == "plain" else [n for n in e.drafter_names if n != "block" or e.block],
+                **({"fast_threshold": e.fast_threshold} if e.mode == "fast" else {})}
+
+    def free_memory(self) -> None:
+        free_device_memory()
+
+    @property
+    def free_rows(self) -> int:
+        """Chunks the engine can take now without queueing."""
+        return max(0, self.engine.row_limit - self.engine.active - len(self.engine.pending))
+
+    @property
+    def busy(self) -> bool:
+        return self.engine.busy
+
+    def submit(self, key: Any, images: list, context_limit: int, max_new_tokens: int | None = None,
+               reference_texts: list[str] | None = None, replay_ids: list[int] | None = None) -> ChunkOutput | None:
+        """Queue a chunk; returns its output at once when it cannot be decoded (no room under the context limit),
+        else None (``poll`` hands it back when it ends)."""
+        n = len(images)
+        budget = token_budget(self.loaded, n, context_limit, max_new_tokens)
+        if budget is None:
+            return no_room(n, context_limit)
+        request = self.engine.prepare(images, budget[0], key, reference_texts, replay_ids)
+        self._limits[id(request)] = budget[1]
+        self.engine.submit(request)
+        return None
+
+    def poll(self) -> list[tuple[Any, ChunkOutput | BaseException]]:
+        """One engine step; the chunks that ended in it (and those another caller's ``decode`` saw end). A chunk
+        that does not fit alone in memory comes back as its ``torch.OutOfMemoryError`` (the engine first gives
+        the batch's other rows back to the queue), so the caller can split it."""
+        done, self._ended = self._ended, []
+        return done + self.engine_step()
+
+    def abandon(self) -> list[Any]:
+        """Drop every chunk in flight or queued (after an error); returns their keys."""
+        dropped = self.engine.reset()
+        for request in dropped:
+            self._limits.pop(id(request), None)
+        return [r.key for r in dropped]
+
+    def decode(self, images: list, context_limit: int, max_new_tokens: int | None = None,
+               reference_texts: list[str] | None = None, replay_ids: list[int] | None = None) -> ChunkOutput:
+        """One chunk to its end (e.g. an orientation probe). Other chunks in flight go on meanwhile; those that
+        end come back from the next ``poll``."""
+        mine = object()
+        early = self.submit(mine, images, context_limit, max_new_tokens, reference_texts, replay_ids)
+        if early is not None:
+            return early
+        while True:
+            for key, out in self.engine_step():
+                if key is mine:
+                    if isinstance(out, BaseException):
+                        raise out
+                    return out
+                self._ended.append((key, out))
+
+    def engine_step(self) -> list[tuple[Any, ChunkOutput | BaseException]]:
+        """One engine step: the chunks that ended in it; out of memory with one chunk alone in the batch: that
+        chunk, with the error (the queue stays)."""
+        try:
+            return [(res.request.key, self._output(res)) for res in self.engine.step()]
+        except torch.OutOfMemoryError as exc:
+            dropped = self.engine.drop_rows() or [self.engine.pending.popleft()]  # the admission of one chunk
+            for request in dropped:
+                self._limits.pop(id(request), None)
+            return [(request.key, exc) for request in dropped]
+
+    def _output(self, res) -> ChunkOutput:
+        request = res.request
+        hit_context = res.finish_reason != "eos" and self._limits.pop(id(request), False)
+        stats = res.stats
+        result = DecodeResult(prompt_ids=request.prompt_ids, output_ids=res.output_ids,
+                              finish_reason=res.finish_reason, seconds=res.seconds,
+                              text=decode_text(self.loaded, res.output_ids), prompt_kind=request.kind,
+                              n_pages=request.n_pages, ngram_window=self.engine.rules[request.kind][1],
+                              logprobs=res.logprobs)
+        out = assemble(result, request.n_pages, hit_context=hit_context, page_sep_id=self.loaded.page_sep_id)
+        out.chunk_stats.update(stats, wall_seconds=round(res.seconds, 4),
+                               queued_s=round(time.perf_counter() - request.submitted_at - res.seconds, 4))
+        for page in out.pages:
+            share = page.stats["tokens"] / len(res.output_ids) if res.output_ids else 0.0
+            page.stats.update({key: _scaled(stats[key], share) for key in SHARED_STATS}, tau=stats["tau"],
+                              mode=self.mode, draft_share=stats["draft_share"], drafters=stats["drafters"],
+                              backend=stats["backend"], batch_rows=stats["batch_rows"])
+        return out
+
+
+def _scaled(value: float, share: float) -> float:
+    return round(value * share, 4) if isinstance(value, float) else round(value * share, 2)
+
+
 def load_decoder(path: str, device: str = "auto", dtype: str = "auto", mode: str = "official",
-                 fast_threshold: float | None = None, compile_step: bool = False) -> ChunkDecoder:
-    """official: transformers generate(); plain / lossless: the speculative engine (token-identical), on CUDA
-    graphs over static buffers when the model is on a GPU (`engine.fast_decoder`; any failure there falls back
-    to the eager engine, logged), eager on the CPU; fast: relaxed acceptance at ``fast_threshold``, on the same
-    paths. lossless and fast also draft with the checkpoint's block drafter when it has one (`load_block_drafter`).
-    compile_step: ``torch.compile`` the GPU decode step before its graphs are captured (plain / lossless / fast on
-    CUDA; no effect elsewhere)."""
-    from engine.fast_decoder import FastDecoder
+                 fast_threshold: float | None = None, max_batch: int | str = 1, kernels: str = "auto",
+                 max_pages_per_chunk: int = 0) -> ChunkDecoder:
+    """official: transformers generate(); plain / lossless / fast: `BatchEngine` (CUDA graphs on a GPU) with
+    ``max_batch`` rows (``auto``: as many as the free GPU memory holds, `engine.memory.auto_batch`; 1 on the CPU).
+    kernels: ``torch`` or ``invariant`` (`engine.forward`); ``auto`` = invariant in bf16/fp16 on CUDA, so that a
+    chunk's tokens do not depend on its batch. lossless and fast also draft with the checkpoint's block drafter
+    when it has one (`load_block_drafter`). max_pages_per_chunk: sizes the rows' prefix region up front."""
+    from engine.batch_engine import BatchEngine
+    from engine.memory import auto_batch
     from engine.model import load_model
-    from engine.speculative import MODES
+    from engine.rows import MODES
 
     if mode != "official" and mode not in MODES:
         raise ValueError(f"engine mode {mode!r} is not available; use 'official', 'plain', 'lossless' or 'fast'")
     loaded = load_model(path, device, dtype)
     if mode == "official":
         return OfficialDecoder(loaded)
-    extra = {"fast_threshold": fast_threshold} if fast_threshold is not None else {}
+    if kernels == "auto":
+        kernels = "invariant" if loaded.device.type == "cuda" and loaded.dtype != torch.float32 else "torch"
+    prefix = prompt_length(loaded, max(1, max_pages_per_chunk)) if max_pages_per_chunk else 0
     net = load_block_drafter(loaded) if mode != "plain" else None
-    return FastDecoder(loaded, mode=mode, block_net=net, compile_step=compile_step, **extra)
+    if max_batch == "auto":
+        max_batch = auto_batch(loaded, prefix or prompt_length(loaded, 1), k_max=16 if mode != "plain" else 0)
+    extra = {"fast_threshold": fast_threshold} if fast_threshold is not None else {}
+    engine = BatchEngine(loaded, mode, max_batch=int(max_batch), block_net=net, kernels=kernels,
+                         prefix_capacity=prefix, **extra)
+    return EngineDecoder(engine)
 
 
 def load_block_drafter(loaded):

@@ -46,10 +46,17 @@ class NoRepeatNgramRule:
         suffix = tuple(ids[len(ids) - from_ids:] + tail[len(tail) - (n - 1 - from_ids):])
         starts = self._starts.get(suffix, [])
         out = {ids[i + n - 1] for i in starts[bisect_left(starts, begin):]}
+        last, first = suffix[-1], suffix[0]
         for i in range(max(begin, len(ids) - n + 1), end - n + 1):  # grams reaching into the tail
-            if self._at(i, n - 1, tail) == suffix:
-                out.add(self._at(i + n - 1, 1, tail)[0])
+            # cheap checks first (the gram's last and first tokens): most starts fail them
+            if self._token(i + n - 2, tail) == last and self._token(i, tail) == first \
+                    and self._at(i, n - 1, tail) == suffix:
+                out.add(self._token(i + n - 1, tail))
         return out
+
+    def _token(self, position: int, tail: list[int]) -> int:
+        ids = self.ids
+        return ids[position] if position < len(ids) else tail[position - len(ids)]
 
     def _at(self, start: int, length: int, tail: list[int]) -> tuple[int, ...]:
         ids = self.ids

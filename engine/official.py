@@ -40,8 +40,9 @@ class DecodeResult:
     logprobs: list[float] = field(default_factory=list)  # per output id: log-softmax of the logits, before bans
 
 
-def official_inputs(loaded, images: list, prompt_kind: Literal["single", "multi"], crop: bool = False):
-    """Processor inputs on the model's device. crop=False is base mode (the only mode for multi-page)."""
+def chunk_inputs(loaded, images: list, prompt_kind: Literal["single", "multi"], crop: bool = False):
+    """Processor inputs of a chunk, on the CPU (safe to build on any thread). crop=False is base mode (the only
+    mode for multi-page)."""
     if prompt_kind not in PROMPTS:
         raise ValueError(f"prompt_kind must be 'single' or 'multi', not {prompt_kind!r}")
     if not images or (prompt_kind == "single" and len(images) != 1):
@@ -54,7 +55,12 @@ def official_inputs(loaded, images: list, prompt_kind: Literal["single", "multi"
         bos = torch.full((1, 1), loaded.bos_token_id, dtype=ids.dtype)
         inputs["input_ids"] = torch.cat([bos, ids], 1)
         inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
-    return inputs.to(loaded.device, dtype=loaded.dtype)  # casts floating tensors only
+    return inputs
+
+
+def official_inputs(loaded, images: list, prompt_kind: Literal["single", "multi"], crop: bool = False):
+    """`chunk_inputs` on the model's device and in its dtype (floating tensors only)."""
+    return chunk_inputs(loaded, images, prompt_kind, crop).to(loaded.device, dtype=loaded.dtype)
 
 
 def official_generation_config(loaded, prompt_kind: str, max_new_tokens: int):

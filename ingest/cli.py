@@ -161,7 +161,7 @@ def _make_worker(settings: Settings, db, **kw):  # noqa: ANN001, ANN202
 
     m, e = settings.model, settings.engine
     return Worker(settings, db, lambda: load_decoder(settings.model_path, m.device, m.dtype, e.mode, e.fast_threshold,
-                                                     e.compile_step), **kw)
+                                                     max_pages_per_chunk=e.max_pages_per_chunk), **kw)
 
 
 def cmd_watch(settings: Settings, args: argparse.Namespace) -> int:

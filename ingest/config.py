@@ -13,7 +13,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from engine.quality import Thresholds
@@ -82,6 +82,20 @@ class Orientation(_Section):
         return OrientationConfig(**self.model_dump(exclude={"auto"}))
 
 
+class Outputs(_Section):
+    """What each finished document gets in the outbox (ingest.outputs): md (document.md), json (document.json, always
+    written: uflash reads it back), pdf (document.pdf, PDF/A-2b), alto (alto/<page>.xml), hocr (document.hocr)."""
+
+    formats: list[Literal["md", "json", "pdf", "alto", "hocr"]] = ["md", "json", "pdf", "alto"]
+
+    @field_validator("formats")
+    @classmethod
+    def _json_kept(cls, v: list[str]) -> list[str]:
+        if "json" not in v:
+            raise ValueError("keep \"json\" in outputs.formats: document.json is what uflash reads back")
+        return list(dict.fromkeys(v))
+
+
 class Watch(_Section):
     settle_seconds: float = Field(default=5.0, ge=0.0)
     incomplete_grace_seconds: float = Field(default=600.0, ge=0.0)
@@ -110,6 +124,7 @@ class Settings(BaseSettings):
     engine: EngineSettings = EngineSettings()
     quality: Quality = Quality()
     orientation: Orientation = Orientation()
+    outputs: Outputs = Outputs()
     watch: Watch = Watch()
     worker: Worker = Worker()
     config_dir: Path = Field(default=Path("."), exclude=True)

@@ -1,16 +1,16 @@
-"""Per-document outputs in the outbox: ``document.md`` (pages in order, with page markers), ``document.json`` and,
-given the original, ``document.pdf`` (the scan with the text laid over it invisibly: `ingest.searchable_pdf`).
-All are written atomically (temp file + rename): a reader never sees half a file. The searchable PDF is an extra:
-if it cannot be made, the log says why and the document is still done (its text is in the other two)."""
+"""Per-document outputs in the outbox, as ``[outputs] formats`` asks: ``document.md`` (pages in order, with page
+markers), ``document.json`` (always), and the archival formats (ingest.archival): ``alto/<page>.xml``,
+``document.hocr`` and, given the original, ``document.pdf`` (PDF/A-2b: ingest.pdfa). All are written atomically
+(temp file + rename): a reader never sees half a file. The PDF is an extra: if it cannot be made, the log says why
+and the document is still done (its text is in the others)."""
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
-
-from loguru import logger
 
 from ingest.files import write_atomic
 
@@ -45,8 +45,11 @@ def output_folder(outbox: Path, name: str, sha256: str) -> Path:
 
 
 def write_document_outputs(folder: Path, document: dict[str, Any], run: dict[str, Any],
-                           pages: list[dict[str, Any]], source: Path | None = None) -> tuple[Path, Path]:
-    """document.md and document.json (returned), and document.pdf when ``source`` (the original file) is given."""
+                           pages: list[dict[str, Any]], source: Path | None = None,
+                           formats: Collection[str] = ("md", "json", "pdf", "alto")) -> tuple[Path, Path]:
+    """document.json, and of ``formats`` document.md, and (ingest.archival) ALTO, hOCR and, when ``source`` (the
+    original file) is given, document.pdf. Returns (document.md, or document.json when md is not asked for;
+    document.json)."""
     md_lines = [f"# {document['name']}", ""]
     for p in pages:
         fast = " (fast mode)" if (p.get("stats") or {}).get("mode") == "fast" else ""  # not token-exact: say so
@@ -55,13 +58,10 @@ def write_document_outputs(folder: Path, document: dict[str, Any], run: dict[str
             md_lines += [f"> note: {p['note']}", ""]
     md = folder / "document.md"
     js = folder / "document.json"
-    write_atomic(md, "\n".join(md_lines).rstrip() + "\n")
+    if "md" in formats:
+        write_atomic(md, "\n".join(md_lines).rstrip() + "\n")
     write_atomic(js, json.dumps({"document": document, "run": run, "pages": pages}, ensure_ascii=False, indent=1))
-    if source is not None:
-        from ingest.searchable_pdf import write_searchable_pdf  # imports page_markdown from here
+    from ingest.archival import write_archival_outputs
 
-        try:
-            write_searchable_pdf(folder / "document.pdf", source, document["kind"], pages)
-        except Exception as e:  # noqa: BLE001 - an extra output: never the reason a document fails
-            logger.warning("{}: searchable PDF not written: {}: {}", document["name"], type(e).__name__, e)
-    return md, js
+    write_archival_outputs(folder, document, run, pages, source, formats, js)
+    return (md if "md" in formats else js), js

@@ -1,5 +1,6 @@
-"""``document.pdf``: the scanned pages with the recognised text laid over them invisibly, so a PDF viewer can
-search, select and copy it (what archives call a searchable PDF, as OCRmyPDF makes).
+"""The plain searchable PDF: the scanned pages with the recognised text laid over them invisibly, so a PDF viewer can
+search, select and copy it. ``document.pdf`` is this when OCRmyPDF cannot make the PDF/A (ingest.pdfa says why);
+ingest.pdfa also takes its scan pages (``_pdf_pages``, ``_image_pages``) from here.
 
 - A PDF original keeps its own pages (the scan at full quality, /Rotate and all); a page that already has a text
   layer (born digital) is left as it is (its rotation too), so nothing is found twice.

@@ -57,6 +57,7 @@ from ingest.orientation import TurnChoice, choose_turn, decoder_probe, turn
 from ingest.outputs import holds_another_document, output_folder, page_markdown, write_document_outputs
 from ingest.owners import is_gone, this_process
 from ingest.render import render_pages
+from ingest.word_confidence import archival_stats
 
 
 class _LeaseLost(Exception):
@@ -381,11 +382,13 @@ class Worker:
         rows = []
         mode = getattr(self.decoder(), "mode", None)
         thresholds = self.settings.quality.thresholds()
+        tokenizer = getattr(getattr(self.decoder(), "loaded", None), "tokenizer", None)
         for i, po in enumerate(kept):
             rendered = pages[i]
             stats = {**po.stats, "chunk_id": c.chunk_id, "chunk_pages": f"{c.first_page}-{c.last_page}", "mode": mode,
                      "quality": page_quality(po.stats["finish_reason"], po.ids, po.logprobs, page_markdown(po.text),
-                                             rendered.text_layer, thresholds)}
+                                             rendered.text_layer, thresholds),
+                     **archival_stats(po.text, po.ids, po.logprobs, rendered.image.size, tokenizer)}
             notes = [out.note] if out.note else []
             if (choice := (turned or {}).get(rendered.index)) is not None:
                 stats["orientation"] = choice.record()
@@ -493,7 +496,8 @@ class Worker:
         scan = next((Path(q) for q in (doc.archived_path, doc.original_path) if q and Path(q).exists()), None)
         try:
             folder = self._output_folder(doc)
-            md, _ = write_document_outputs(folder, document, run, page_dicts, source=scan)
+            md, _ = write_document_outputs(folder, document, run, page_dicts, source=scan,
+                                           formats=self.settings.outputs.formats)
         except OSError as e:  # a file in the way, access denied, a name or path the OS refuses
             if infrastructure_problem(e):  # a full or failing disk: the document waits, finished once it is fixed
                 raise

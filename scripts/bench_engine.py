@@ -1,39 +1,31 @@
-"""GPU benchmark of the fast path (issue 6): official generate() vs plain vs lossless, side by side, one process.
+"""GPU cost of the batched engine against transformers ``generate()`` at the same batch, side by side, one process.
 
-Model: the full-size architecture (``UnlimitedOcrConfig()`` defaults: 12-layer MoE decoder, 64 experts top-6,
-vocab 129,280, window 128, DeepEncoder) with random weights, built on the device in ``--dtype`` (bf16).
-Random weights measure cost, never acceptance (docs/benchmarks.md); acceptance is set by the drafts:
-- the vision tower's SAM init range is raised from its default 1e-10 to 0.02 (a normal init);
-- the lm_head row of EOS is zeroed: the EOS logit is exactly 0 and never the argmax of 129,280 random logits,
-  so every run, official included, goes to the full ``--tokens`` (checked: ``full_length``). No
-  ``min_new_tokens`` (that would add a logits processor to generate() and change what is measured);
-- ``--plant SCALE`` (use 100 at full size) plants a wide-margin successor chain (`plant_successor_chain`): plain
-  random weights have near-tie logits, and in bf16 a verify of width K and a single step round differently, so
-  lossless left plain's path after 13-105 tokens and the replay drafts lost their alignment (measured tau fell
-  below what the error rate sets). Planted, plain, lossless and official agree token for token in bf16
-  (``exact``), and acceptance follows the injected rate; shapes, kernels and per-token expert routing are
-  unchanged, so cost is unchanged;
-- pages are random pixel tensors fed through a stand-in processor with the real base-mode token layout
-  (BOS, 273 image tokens per page, then the prompt); ``--pages 1`` uses the single-page prompt and rule
-  window 128, more pages the multi-page prompt and window 1024.
+Model: the full-size architecture (``UnlimitedOcrConfig()``: 12-layer MoE decoder, 64 experts top-6, vocab 129,280,
+window 128, DeepEncoder) with random weights in ``--dtype`` (bf16), built on the device. Random weights measure
+cost, never acceptance: the SAM tower gets a normal init (its default 1e-10 leaves it dead); EOS's lm_head row is
+zeroed (never the argmax: every run goes to ``--tokens``); ``--plant`` (100 at full size) plants a wide-margin
+successor chain so that bf16 near-ties do not send runs of different widths apart (`plant_successor_chain`).
+Every chunk of a batch has its own random pages (the per-page seed), so rows take different paths and routes.
 
-Runs per chunk (pages), each timed from the host with the device synchronized, vision + prefill included:
-- ``official``: ``model.generate()`` greedy with the official no-repeat-ngram config (dynamic cache);
-- ``plain``: `engine.fast_decoder.FastDecoder`, no drafts (one token per step); the first ``--moe`` and
-  ``--attn`` entries are the main configuration, each other entry adds ``plain[x]`` and ``lossless-10%[x]``;
-- ``lossless-R%``: a replay drafter whose drafts are the official output with R% of the tokens replaced by
-  wrong ones (positional: it proposes the next tokens of that sequence), R in ``--rates``;
-- ``eager-plain`` (``--with-eager``): the eager engine of issue 5, for reference.
-Every engine run is checked token for token against official (``exact``; in bf16 a mismatch can be a
-near-tie flip, see ``match_prefix``). Then peak GPU memory of ``plain`` at each ``--mem-tokens`` length.
+Per chunk size (``--pages``) and batch size B (``--batch``), B different chunks, each timed end to end (vision,
+prefills, decode; the device synchronised):
+- ``generate``: transformers ``generate()`` of the B chunks as one batch, official config (the anchor);
+- ``plain``: `engine.batch_engine.BatchEngine`, no drafts, B rows, kernels ``--kernels`` (invariant by default);
+- ``plain-torch``: the same with the torch kernels (what batch invariance costs);
+- ``lossless-R%``: drafts of controlled quality: each row's own plain output with R% of the tokens replaced by wrong
+  ones (a positional replay drafter), R in ``--rates``; checked token for token against plain.
+Columns: aggregate tok/s (all rows' output tokens / wall time), decode tok/s (output tokens / the steps' wall time:
+admissions, i.e. vision and prefills, left out), ms per step,
+the x factors against generate and plain. ``invariant`` checks, per batch, that row 0's tokens and log-probabilities
+are bitwise those of the same chunk decoded alone (plain, batch 1), for both kernel sets. Then peak memory of
+``plain`` at batch ``--mem-batch`` for each ``--mem-tokens`` output length (R-SWA keeps it flat).
 
-Prints a table; the last line is one JSON object (also written to ``--json``). Shrink with ``--quick``,
-``--tokens``, ``--pages``, ``--rates``; ``--budget-s`` skips the remaining runs once spent.
-``--tiny`` runs the tiny test config on the CPU (static backend, no graphs): a smoke test of this script.
+Prints a table; the last line is one JSON object (also written to ``--json``). ``--tiny`` runs the tiny config on
+the CPU (a smoke test of this script). ``--model DIR --pages-dir PNGS`` measures a trained model on real pages
+instead (its drafts still come from ``--rates``; EOS ends a chunk where the model says so).
 
-    python scripts/bench_engine.py --json $OUT/bench.json                 # full: 1 and 16 pages, 2,048 tokens
-    python scripts/bench_engine.py --quick --json $OUT/quick.json         # 1 page, 512 tokens
-    python scripts/bench_engine.py --tiny --quick                         # CPU smoke test
+    python scripts/bench_engine.py --batch 1,8,32,64,128,256 --pages 1,4 --invariance 64 --json $OUT/bench_engine.json
+    python scripts/bench_engine.py --tiny --batch 1,2 --pages 1 --tokens 24 --rates 10 --mem-tokens ""
 """
 
 from __future__ import annotations
@@ -56,17 +48,23 @@ if str(ROOT) not in sys.path:
 PROMPT_IDS = {"single": [12, 345, 6789, 13], "multi": [4242, 77, 901, 2345, 13]}  # stand-ins for the prompts
 
 
-# --- model and inputs ---------------------------------------------------------------------------------------
+class Page:
+    """A page stand-in: its pixels come from its seed (the synthetic processor ignores content otherwise)."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def convert(self, mode):
+        return self
+
 
 class SyntheticProcessor:
-    """Stands in for UnlimitedOcrProcessor: BOS + image tokens per page + prompt ids; random pixels."""
+    """Stands in for UnlimitedOcrProcessor: BOS + image tokens per page + prompt ids; random pixels per page seed."""
 
-    def __init__(self, image_token_id: int, bos_id: int, tokens_per_page: int, image_size: int, vocab: int,
-                 seed: int = 0):
+    def __init__(self, image_token_id: int, bos_id: int, tokens_per_page: int, image_size: int, vocab: int):
         self.image_token_id, self.bos_id = image_token_id, bos_id
         self.prompts = {kind: [2 + t % (vocab - 2) for t in ids] for kind, ids in PROMPT_IDS.items()}
-        self.tokens_per_page, self.image_size, self.seed = tokens_per_page, image_size, seed
-        self._pixels: dict[int, torch.Tensor] = {}
+        self.tokens_per_page, self.image_size = tokens_per_page, image_size
 
     def __call__(self, images, text, crop_to_patches=False, return_tensors="pt"):
         from transformers import BatchFeature
@@ -74,13 +72,10 @@ class SyntheticProcessor:
         n = len(images)
         kind = "single" if text.endswith("document parsing.") else "multi"
         ids = [self.bos_id] + [self.image_token_id] * (self.tokens_per_page * n) + self.prompts[kind]
-        if n not in self._pixels:
-            gen = torch.Generator().manual_seed(self.seed + n)
-            self._pixels[n] = torch.randn(n, 3, self.image_size, self.image_size, generator=gen)
-        return BatchFeature({"input_ids": torch.tensor([ids]),
-                             "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
-                             "pixel_values": self._pixels[n], "num_local_patches": [0] * n,
-                             "patches_grid": [[1, 1]] * n})
+        pixels = torch.stack([torch.randn(3, self.image_size, self.image_size,
+                                          generator=torch.Generator().manual_seed(page.seed)) for page in images])
+        return BatchFeature({"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
+                             "pixel_values": pixels, "num_local_patches": [0] * n, "patches_grid": [[1, 1]] * n})
 
 
 class NullTokenizer:
@@ -88,25 +83,12 @@ class NullTokenizer:
         return ""
 
 
-class Page:
-    """A page stand-in: the synthetic processor ignores image content."""
-
-    def convert(self, mode):
-        return self
-
-
 def plant_successor_chain(model, reserved: set[int], seed: int, scale: float) -> None:
     """Give the random model one wide-margin greedy path: token i is followed by succ(i), a single random cycle
-    through the vocabulary (``reserved`` ids left out: EOS, BOS, the image token), so the output never repeats
-    within a run and never emits a special token.
-
-    The input embeddings are multiplied by ``scale`` so that the current token's embedding dominates the
-    residual stream over the random layers' contributions, and the LM head row of succ(i) is set to the
-    embedding of i: the argmax is succ(i) by a margin that bf16 rounding cannot flip. Layers, routing and
-    every kernel stay the same shapes and sizes, so cost is what a random model costs; what changes is that a
-    verify of width K and a single step agree in bf16 (without it a random model's near-tie logits flip after
-    ~15-100 tokens between kernels of different widths, the replay drafts lose their alignment and
-    acceptance stops following the injected error rate)."""
+    through the vocabulary (``reserved`` ids left out: EOS, BOS, the image token). The input embeddings are
+    scaled by ``scale`` so that the current token's embedding dominates the residual stream, and the LM head row
+    of succ(i) is set to the embedding of i: the argmax is succ(i) by a margin bf16 rounding cannot flip. Shapes,
+    kernels and per-token routing are unchanged, so cost is what a random model costs."""
     emb = model.get_input_embeddings().weight
     vocab = emb.shape[0]
     gen = torch.Generator().manual_seed(seed + 7)
@@ -120,8 +102,7 @@ def plant_successor_chain(model, reserved: set[int], seed: int, scale: float) ->
 
 
 def build_model(tiny: bool, device: str, dtype: torch.dtype, seed: int = 0, plant: float = 0.0):
-    """(LoadedModel, description) of a random-weight model built directly on ``device``; ``plant`` > 0 plants
-    a wide-margin successor chain with that embedding scale (`plant_successor_chain`)."""
+    """(LoadedModel, description) of a random-weight model built directly on ``device``."""
     from transformers import UnlimitedOcrConfig, UnlimitedOcrForConditionalGeneration
 
     from engine.model import LoadedModel
@@ -144,27 +125,23 @@ def build_model(tiny: bool, device: str, dtype: torch.dtype, seed: int = 0, plan
         model = UnlimitedOcrForConditionalGeneration._from_config(config, dtype=dtype)
     model = model.to(device).eval().requires_grad_(False)
     eos = text.eos_token_id if text.eos_token_id is not None else 1
+    bos = text.bos_token_id if text.bos_token_id is not None else 0
     with torch.no_grad():
         if plant:
-            bos = text.bos_token_id if text.bos_token_id is not None else 0
             plant_successor_chain(model, {eos, bos, config.image_token_id}, seed, plant)
         model.lm_head.weight[eos].zero_()  # EOS logit exactly 0: never the argmax, runs go to full length
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-    build_s = time.perf_counter() - t0
-    bos = text.bos_token_id if text.bos_token_id is not None else 0
-    processor = SyntheticProcessor(config.image_token_id, bos, tokens_per_page, image_size, text.vocab_size, seed)
+    processor = SyntheticProcessor(config.image_token_id, bos, tokens_per_page, image_size, text.vocab_size)
     loaded = LoadedModel(model=model, processor=processor, tokenizer=NullTokenizer(), device=torch.device(device),
                          dtype=dtype, name="tiny-random" if tiny else "full-size-random", path="",
                          image_token_id=config.image_token_id, bos_token_id=bos, eos_token_id=eos,
                          pad_token_id=None, page_sep_id=None, sliding_window=text.sliding_window,
                          tokens_per_page=tokens_per_page)
-    params = sum(p.numel() for p in model.parameters())
-    desc = {"params": params, "layers": text.num_hidden_layers, "hidden": text.hidden_size,
-            "experts": text.n_routed_experts, "top_k": text.num_experts_per_tok, "vocab": text.vocab_size,
-            "window": text.sliding_window, "tokens_per_page": tokens_per_page, "build_s": round(build_s, 2),
-            "experts_implementation": text._experts_implementation, "attn_implementation": text._attn_implementation,
-            "planted_chain_scale": plant or None}
+    desc = {"params": sum(p.numel() for p in model.parameters()), "layers": text.num_hidden_layers,
+            "hidden": text.hidden_size, "experts": text.n_routed_experts, "top_k": text.num_experts_per_tok,
+            "vocab": text.vocab_size, "window": text.sliding_window, "tokens_per_page": tokens_per_page,
+            "build_s": round(time.perf_counter() - t0, 2), "planted_chain_scale": plant or None}
     return loaded, desc
 
 
@@ -175,19 +152,21 @@ def environment(device: str) -> dict:
            "python": platform.python_version(), "cpu_threads": torch.get_num_threads()}
     if device.startswith("cuda"):
         props = torch.cuda.get_device_properties(device)
-        env.update(gpu=props.name, vram_gb=round(props.total_memory / 2**30, 1),
-                   capability=".".join(map(str, torch.cuda.get_device_capability(device))),
-                   sms=props.multi_processor_count)
+        env.update(gpu=props.name, vram_gb=round(props.total_memory / 2**30, 1), sms=props.multi_processor_count)
+        try:
+            import triton
+
+            env["triton"] = triton.__version__
+        except ImportError:
+            pass
     else:
         env.update(gpu=None, cpu=platform.processor() or platform.machine())
     return env
 
 
-# --- drafts of controlled quality ---------------------------------------------------------------------------
-
 class PositionalReplay:
-    """Proposes the next tokens of ``source`` at the current output length (a re-run's ids, aligned by
-    position). With ``source`` = official output with R% wrong tokens, a draft is wrong exactly there."""
+    """Proposes the next tokens of ``source`` at the current output length: with ``source`` = the row's own output
+    with R% wrong tokens, a draft is wrong exactly there."""
 
     name = "replay"
 
@@ -200,185 +179,148 @@ class PositionalReplay:
 
 
 def corrupt(ids: list[int], rate: float, vocab: int, seed: int = 0) -> list[int]:
-    """``ids`` with each token replaced, with probability ``rate``, by a different token."""
     rng = random.Random(seed)
     return [(t + 1 + rng.randrange(vocab - 1)) % vocab if rng.random() < rate else t for t in ids]
 
 
-def first_difference(ids: list[int], reference: list[int]) -> int:
-    return next((i for i, (a, b) in enumerate(zip(ids, reference)) if a != b), min(len(ids), len(reference)))
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
-# --- runs -----------------------------------------------------------------------------------------------------
-
-class Clock:
-    def __init__(self, device: str):
-        self.cuda = device.startswith("cuda")
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def reset_peak(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.before = torch.cuda.memory_allocated()
-
-    def before_gb(self) -> float | None:
-        return round(self.before / 2**30, 3) if self.cuda else None
-
-    def peak_gb(self) -> float | None:
-        return round(torch.cuda.max_memory_allocated() / 2**30, 3) if self.cuda else None
+PAGE_IMAGES: list = []  # --pages-dir: real page images, used in turn instead of random pages
 
 
-def run_official(loaded, images, tokens: int, clock: Clock) -> tuple[list[int], dict]:
-    from engine.official import official_generation_config, official_inputs
+def chunks_for(batch: int, pages: int) -> list[list]:
+    if PAGE_IMAGES:
+        return [[PAGE_IMAGES[(b * pages + p) % len(PAGE_IMAGES)] for p in range(pages)] for b in range(batch)]
+    return [[Page(1000 * b + p) for p in range(pages)] for b in range(batch)]
 
-    kind = "single" if len(images) == 1 else "multi"
+
+def run_generate(loaded, chunks, tokens: int, device: str) -> dict:
+    from transformers import BatchFeature
+
+    from engine.official import chunk_inputs, official_generation_config
+
+    kind = "single" if len(chunks[0]) == 1 else "multi"
+    parts = [chunk_inputs(loaded, c, kind) for c in chunks]
+    inputs = BatchFeature({"input_ids": torch.cat([p["input_ids"] for p in parts]),
+                           "attention_mask": torch.cat([p["attention_mask"] for p in parts]),
+                           "pixel_values": torch.cat([p["pixel_values"] for p in parts]),
+                           "num_local_patches": sum((p["num_local_patches"] for p in parts), []),
+                           "patches_grid": sum((p["patches_grid"] for p in parts), [])})
     config = official_generation_config(loaded, kind, tokens)
-    clock.reset_peak()
+    sync(device)
     t0 = time.perf_counter()
-    inputs = official_inputs(loaded, images, kind)
     with torch.inference_mode():
-        sequences = loaded.model.generate(**inputs, generation_config=config)
-    clock.sync()
+        out = loaded.model.generate(**inputs.to(loaded.device, dtype=loaded.dtype), generation_config=config)
+    sync(device)
     seconds = time.perf_counter() - t0
-    output = sequences[0, inputs["input_ids"].shape[1]:].tolist()
-    return output, {"tokens": len(output), "seconds": seconds, "forwards": len(output), "tau": 0.0,
-                    "peak_gb": clock.peak_gb()}
+    n = (out.shape[1] - inputs["input_ids"].shape[1]) * len(chunks)
+    return {"seconds": seconds, "tokens": n, "tok_s": round(n / seconds, 1)}
 
 
-def run_engine(decoder, images, tokens: int, clock: Clock) -> tuple[list[int], dict]:
-    clock.reset_peak()
+def run_engine(loaded, chunks, tokens: int, device: str, mode: str, kernels: str, drafts=None, k_max: int = 16,
+               vision_group: int = 8):
+    from engine.batch_engine import BatchEngine
+
+    factory = None if drafts is None else (lambda request: [PositionalReplay(drafts[request.key])])
+    engine = BatchEngine(loaded, mode, max_batch=len(chunks), kernels=kernels, k_max=k_max,
+                         drafter_factory=factory, vision_group=vision_group)
+    warm = [engine.prepare(c, 8, key=i) for i, c in enumerate(chunks)]  # graphs and kernels of this shape
+    engine.run(warm)
+    requests = [engine.prepare(c, tokens, key=i) for i, c in enumerate(chunks)]
+    engine.timing = dict.fromkeys(engine.timing, 0.0)
+    steps_before = engine.steps
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    sync(device)
     t0 = time.perf_counter()
-    res = decoder.generate(images, tokens)
-    clock.sync()
+    for r in requests:
+        engine.submit(r)
+    results = {}
+    while engine.busy:
+        for res in engine.step():
+            results[res.request.key] = res
+    sync(device)
     seconds = time.perf_counter() - t0
-    s = res.extra["speculative"]
-    split = {k: s.get(k, 0.0) for k in ("prefill_s", "capture_s", "draft_s", "verify_s", "single_s")}
-    split["other_s"] = round(seconds - split["prefill_s"] - split["draft_s"] - split["verify_s"] - split["single_s"], 4)
-    decode_s = max(seconds - split["prefill_s"], 1e-9)
-    steps = max(s["forwards"] - 1, 1)
-    return res.output_ids, {
-        "tokens": len(res.output_ids), "seconds": seconds, "forwards": s["forwards"], "tau": s["tau"],
-        "verify_rounds": s["verify_rounds"], "single_steps": s["single_steps"],
-        "accepted_tokens": s["accepted_tokens"], "draft_tokens": s["draft_tokens"],
-        "decode_tokens_per_s": round((len(res.output_ids) - 1) / decode_s, 2),
-        "ms_per_step": round(1000 * decode_s / steps, 3), "time_split": split,
-        "backend": s.get("backend", "eager"), "moe": s.get("moe"), "attn": s.get("attn"), "graphs": s.get("graphs"),
-        "cache_mb": round(s["cache_bytes"] / 2**20, 1), "peak_gb": clock.peak_gb(),
-        "allocated_before_gb": clock.before_gb()}
+    n = sum(len(r.output_ids) for r in results.values())
+    steps, decode_s = engine.steps - steps_before, max(1e-9, engine.timing["steps_s"])
+    rounds = sum(r.stats["verify_rounds"] for r in results.values())
+    row = {"seconds": round(seconds, 4), "tokens": n, "tok_s": round(n / seconds, 1),
+           "decode_tok_s": round(n / decode_s, 1), "steps": steps,
+           "ms_per_step": round(1000 * decode_s / max(steps, 1), 3),
+           "tau": round(sum(r.stats["accepted_tokens"] for r in results.values()) / rounds, 3) if rounds else 0.0,
+           "peak_gb": round(torch.cuda.max_memory_allocated() / 2**30, 3) if device.startswith("cuda") else None,
+           "admit_s": round(engine.timing["vision_s"] + engine.timing["prefill_s"], 3),
+           "backend": "graphs" if engine.graphs is not None else "eager", "kernels": kernels}
+    ids = {k: r.output_ids for k, r in results.items()}
+    logprobs = {k: r.logprobs for k, r in results.items()}
+    del engine
+    return row, ids, logprobs
 
 
-def variants(args) -> list[tuple[str, str, str, bool]]:
-    """(row-name suffix, moe, attn, compiled): the main configuration first, then one change at a time."""
-    main_moe, main_attn, main_compile = args.moe[0], args.attn[0], args.compile[0]
-    return ([("", main_moe, main_attn, main_compile)]
-            + [(f"[{m}]", m, main_attn, main_compile) for m in args.moe[1:]]
-            + [(f"[{a}]", main_moe, a, main_compile) for a in args.attn[1:]]
-            + [(f"[{'compiled' if c else 'uncompiled'}]", main_moe, main_attn, c) for c in args.compile[1:]])
-
-
-def bench_chunk(loaded, n_pages: int, args, clock: Clock, deadline: float, log) -> dict:
-    from engine.fast_decoder import FastDecoder
-
-    images = [Page() for _ in range(n_pages)]
+def bench(loaded, pages: int, batch: int, args, log) -> dict:
     vocab = loaded.model.config.text_config.vocab_size
-    chunk = {"pages": n_pages, "runs": {}, "skipped": [], "errors": {}}
-    runs = chunk["runs"]
-    run_official(loaded, images, 8, clock)  # warm-up: kernels, allocator
-    reference, row = run_official(loaded, images, args.tokens, clock)
-    row.update(exact=True, match_prefix=len(reference), full_length=len(reference) == args.tokens)
-    runs["official"] = row
-    log(f"  official: {row['tokens']} tokens in {row['seconds']:.2f}s")
-    kind = "single" if n_pages == 1 else "multi"
-
-    decoders = {}
-    for suffix, moe, attn, compile_step in variants(args):
+    chunks = chunks_for(batch, pages)
+    out = {"pages": pages, "batch": batch, "runs": {}, "errors": {}}
+    runs = out["runs"]
+    try:
+        if not args.no_generate:
+            runs["generate"] = run_generate(loaded, chunks, args.generate_tokens or args.tokens, args.device)
+            log(f"  generate: {runs['generate']['tok_s']} tok/s")
+    except Exception as exc:  # noqa: BLE001 - e.g. out of memory at this batch: record, go on
+        out["errors"]["generate"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        torch.cuda.empty_cache() if args.device.startswith("cuda") else None
+    plain_ids = None
+    variants = [("plain", "plain", args.kernels, None)]
+    if args.kernels != "torch" and not args.no_torch:
+        variants.append(("plain-torch", "plain", "torch", None))
+    variants += [(f"lossless-{r}%", "lossless", args.kernels, r) for r in args.rates]
+    for name, mode, kernels, rate in variants:
         try:
-            dec = FastDecoder(loaded, mode="lossless", k_max=args.k_max, backend=args.backend, moe=moe, attn=attn,
-                              drafter_factory=lambda *_: [], compile_step=compile_step)
-            t0 = time.perf_counter()
-            run_engine(dec, images, 32, clock)  # warm-up; captures this prefix bucket's graphs
-            chunk.setdefault("warmup_s", {})[suffix or "main"] = round(time.perf_counter() - t0, 3)
-            decoders[suffix] = dec
-            if dec.fallback_reason:
-                chunk["errors"][f"fallback{suffix}"] = dec.fallback_reason
-            if dec.static is not None and dec.static.compile_error:
-                chunk["errors"][f"compile{suffix}"] = dec.static.compile_error
-        except Exception as exc:  # noqa: BLE001 - record and go on with the other configurations
-            chunk["errors"][f"init{suffix}"] = f"{type(exc).__name__}: {exc}"
-            traceback.print_exc()
-    plan = []
-    for suffix, *_ in variants(args):
-        plan.append((f"plain{suffix}", suffix, None))
-        for rate in (args.rates if not suffix else [r for r in args.rates if r == 10] or args.rates[:1]):
-            plan.append((f"lossless-{rate}%{suffix}", suffix, rate))
-    if args.with_eager:
-        plan.append(("eager-plain", None, None))
-    plain_ids: dict[str, list[int]] = {}
-    for name, suffix, rate in plan:
-        if time.perf_counter() > deadline:
-            chunk["skipped"].append(name)
-            continue
-        try:
-            if suffix is None:
-                dec = FastDecoder(loaded, mode="plain", k_max=args.k_max, backend="eager")
-            elif suffix not in decoders:
-                continue
+            drafts = None if rate is None else {k: corrupt(v, rate / 100, vocab, seed=rate + 17 * k)
+                                                for k, v in plain_ids.items()}
+            row, ids, lps = run_engine(loaded, chunks, args.tokens, args.device, mode, kernels, drafts,
+                                       k_max=args.k_max, vision_group=args.vision_group)
+            if name == "plain":
+                plain_ids, plain_lps = ids, lps
             else:
-                dec = decoders[suffix]
-                # Drafts follow this variant's own plain output: in bf16 a near-tie flip makes the engine's
-                # greedy path leave official's after a few tokens (random weights, flat logits), and drafts
-                # taken from official would then measure that flip rather than the set error rate.
-                source = plain_ids.get(suffix, reference) if args.drafts_from == "plain" else reference
-                drafts = None if rate is None else corrupt(source, rate / 100, vocab, seed=rate)
-                dec.drafter_factory = ((lambda *_: []) if drafts is None
-                                       else (lambda *_, d=drafts: [PositionalReplay(d)]))
-            ids, row = run_engine(dec, images, args.tokens, clock)
-            if dec.fallback_reason and suffix is not None:
-                chunk["errors"].setdefault(f"fallback{suffix}", dec.fallback_reason)
-            if rate is None and suffix is not None:
-                plain_ids[suffix] = ids
-            row.update(exact=ids == reference, match_prefix=first_difference(ids, reference),
-                       draft_error_rate=rate, prompt_kind=kind)
-            if rate is not None and suffix in plain_ids:
-                row.update(draft_source=args.drafts_from, equal_to_plain=ids == plain_ids[suffix],
-                           match_prefix_plain=first_difference(ids, plain_ids[suffix]))
+                row["equal_to_plain"] = ids == plain_ids
             runs[name] = row
-            log(f"  {name}: {row['tokens']} tokens in {row['seconds']:.2f}s, {row['ms_per_step']:.2f} ms/step, "
-                f"tau {row['tau']:.2f}, exact {row['exact']}")
+            log(f"  {name}: {row['tok_s']} tok/s ({row['decode_tok_s']} decoding), {row['ms_per_step']} ms/step, "
+                f"tau {row['tau']}, admission {row['admit_s']} s")
         except Exception as exc:  # noqa: BLE001
-            chunk["errors"][name] = f"{type(exc).__name__}: {exc}"
+            out["errors"][name] = f"{type(exc).__name__}: {str(exc)[:300]}"
             traceback.print_exc()
-    base = runs["official"]["seconds"]
-    plain = runs.get("plain", {}).get("seconds")
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    base = runs.get("plain", {}).get("tok_s")
+    anchor = runs.get("generate", {}).get("tok_s")
     for row in runs.values():
-        row["tokens_per_s"] = round(row["tokens"] / row["seconds"], 2)
-        row["speedup_vs_official"] = round(base / row["seconds"], 3)
-        row["speedup_vs_plain"] = round(plain / row["seconds"], 3) if plain else None
-        row["seconds"] = round(row["seconds"], 4)
-    return chunk
+        row["x_generate"] = round(row["tok_s"] / anchor, 3) if anchor else None
+        row["x_plain"] = round(row["tok_s"] / base, 3) if base else None
+    if batch in args.invariance and plain_ids is not None and batch > 1:
+        out["invariant"] = {}
+        for kernels in [args.kernels] + (["torch"] if args.kernels != "torch" else []):
+            _, alone_ids, alone_lps = run_engine(loaded, chunks[:1], args.tokens, args.device, "plain", kernels)
+            if kernels == args.kernels:
+                batch_ids, batch_lps = plain_ids, plain_lps
+            else:
+                _, batch_ids, batch_lps = run_engine(loaded, chunks, args.tokens, args.device, "plain", kernels)
+            out["invariant"][kernels] = {"tokens_equal": alone_ids[0] == batch_ids[0],
+                                         "logprobs_bitwise_equal": alone_lps[0] == batch_lps[0]}
+        log(f"  invariance (row 0 alone vs in the batch): {out['invariant']}")
+    return out
 
 
-def bench_memory(loaded, args, clock: Clock, deadline: float, log) -> dict:
-    """Peak memory of plain at each output length (1 page): R-SWA keeps it flat."""
-    from engine.fast_decoder import FastDecoder
-
+def bench_memory(loaded, args, log) -> dict:
     out = {}
-    dec = FastDecoder(loaded, mode="plain", k_max=args.k_max, backend=args.backend, moe=args.moe[0],
-                      attn=args.attn[0], compile_step=args.compile[0])
-    run_engine(dec, [Page()], 32, clock)
+    chunks = chunks_for(args.mem_batch, 1)
     for tokens in args.mem_tokens:
-        if time.perf_counter() > deadline:
-            out[str(tokens)] = {"skipped": True}
-            continue
-        ids, row = run_engine(dec, [Page()], tokens, clock)
-        out[str(tokens)] = {"tokens": row["tokens"], "peak_gb": row["peak_gb"],
-                            "allocated_before_gb": row["allocated_before_gb"], "seconds": round(row["seconds"], 3),
-                            "ms_per_step": row["ms_per_step"], "cache_mb": row["cache_mb"]}
-        log(f"  plain {tokens} tokens: peak {row['peak_gb']} GB, {row['ms_per_step']:.2f} ms/step")
+        row, _, _ = run_engine(loaded, chunks, tokens, args.device, "plain", args.kernels, k_max=args.k_max)
+        out[str(tokens)] = {"peak_gb": row["peak_gb"], "ms_per_step": row["ms_per_step"], "tok_s": row["tok_s"]}
+        log(f"  plain, batch {args.mem_batch}, {tokens} tokens: peak {row['peak_gb']} GB")
     peaks = [v["peak_gb"] for v in out.values() if v.get("peak_gb")]
     if len(peaks) >= 2:
         out["ratio_last_to_first"] = round(peaks[-1] / peaks[0], 4)
@@ -388,94 +330,94 @@ def bench_memory(loaded, args, clock: Clock, deadline: float, log) -> dict:
 def print_table(report: dict) -> None:
     env = report["environment"]
     print(f"\n{report['model']['name']} ({report['model']['params'] / 1e9:.2f}B params, {report['dtype']}) on "
-          f"{env.get('gpu') or env.get('cpu')}; torch {env['torch']}, CUDA {env['cuda']}, "
-          f"transformers {env['transformers']}; {report['tokens']} tokens, k_max {report['k_max']}")
-    header = (f"{'pages':>5} {'run':<22}{'tok/s':>9}{'ms/step':>9}{'steps':>7}{'tau':>6}{'x offic.':>9}"
-              f"{'x plain':>8}{'peak GB':>8} {'backend':<8} exact")
+          f"{env.get('gpu') or env.get('cpu')}; torch {env['torch']}, transformers {env['transformers']}; "
+          f"{report['tokens']} tokens a chunk, k_max {report['k_max']}, kernels {report['kernels']}")
+    header = f"{'pages':>5} {'batch':>5} {'run':<14}{'tok/s':>10}{'decode':>10}{'ms/step':>9}{'tau':>6}" \
+             f"{'x gen':>8}{'x plain':>8}{'peak GB':>8}  same as plain"
     print(header)
     print("-" * len(header))
-    for chunk in report["chunks"]:
-        for name, r in chunk["runs"].items():
-            ms = r.get("ms_per_step", 1000 * r["seconds"] / max(r["forwards"], 1))
-            exact = "yes" if r["exact"] else f"no ({r['match_prefix']} equal)"
-            print(f"{chunk['pages']:>5} {name:<22}{r['tokens_per_s']:>9.1f}{ms:>9.2f}{r['forwards']:>7}"
-                  f"{r['tau']:>6.2f}{r['speedup_vs_official']:>8.2f}x{(r['speedup_vs_plain'] or 0):>7.2f}x"
-                  f"{(r['peak_gb'] or 0):>8.2f} {r.get('backend', '-'):<8} {exact}")
-        for name, err in chunk["errors"].items():
-            print(f"{chunk['pages']:>5} {name:<22}ERROR {err[:200]}")
-        if chunk["skipped"]:
-            print(f"{chunk['pages']:>5} skipped (budget): {', '.join(chunk['skipped'])}")
+    for res in report["results"]:
+        for name, r in res["runs"].items():
+            same = "" if "equal_to_plain" not in r else ("yes" if r["equal_to_plain"] else "NO")
+            print(f"{res['pages']:>5} {res['batch']:>5} {name:<14}{r['tok_s']:>10.1f}{r.get('decode_tok_s', 0):>10.1f}"
+                  f"{r.get('ms_per_step', 0):>9.2f}{r.get('tau', 0):>6.2f}{(r['x_generate'] or 0):>7.2f}x"
+                  f"{(r['x_plain'] or 0):>7.2f}x{(r.get('peak_gb') or 0):>8.2f}  {same}")
+        for name, err in res["errors"].items():
+            print(f"{res['pages']:>5} {res['batch']:>5} {name:<14}ERROR {err[:160]}")
+        if "invariant" in res:
+            print(f"{res['pages']:>5} {res['batch']:>5} invariance: {res['invariant']}")
     for tokens, m in report.get("memory", {}).items():
-        if isinstance(m, dict) and not m.get("skipped"):
-            print(f"memory: plain, 1 page, {tokens} tokens: peak {m['peak_gb']} GB")
+        if isinstance(m, dict):
+            print(f"memory: plain, batch {report['mem_batch']}, {tokens} tokens: peak {m['peak_gb']} GB")
     if "ratio_last_to_first" in report.get("memory", {}):
         print(f"memory: peak ratio {report['memory']['ratio_last_to_first']}")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", type=Path, help="write the report here too")
+    ap.add_argument("--json", type=Path)
     ap.add_argument("--tiny", action="store_true", help="tiny config on the CPU (smoke test)")
-    ap.add_argument("--quick", action="store_true", help="1 page, 512 tokens, rates 0/10/100, memory 256/1024")
-    ap.add_argument("--tokens", type=int, help="output tokens per run (default 2048; quick 512)")
-    ap.add_argument("--pages", help="comma-separated chunk sizes (default 1,16; quick 1)")
-    ap.add_argument("--rates", help="comma-separated draft error rates in %% (default 0,10,30,100)")
-    ap.add_argument("--moe", default="auto", help="comma-separated: auto,grouped,dense,gather,mixed (first = main; "
-                    "auto is grouped in bf16)")
-    ap.add_argument("--attn", default="auto", help="comma-separated decode attention: auto,sdpa,matmul (first = main)")
-    ap.add_argument("--compile", default="off",
-                    help="comma-separated: off,on - torch.compile the decode step before graph capture (first = main)")
-    ap.add_argument("--drafts-from", choices=("plain", "official"), default="plain",
-                    help="token sequence the injected-error drafts are made from (default: the same variant's plain "
-                         "output, which a lossless run must reproduce; 'official' = generate()'s output)")
-    ap.add_argument("--mem-tokens", help="comma-separated output lengths for peak memory (default 1024,8192)")
+    ap.add_argument("--model", help="a trained model folder instead of the random full-size one (e.g. models/demo)")
+    ap.add_argument("--pages-dir", type=Path, help="PNG pages for --model (real pages; chunks take them in turn)")
+    ap.add_argument("--batch", default="1,8,32,64,128,256")
+    ap.add_argument("--pages", default="1,4")
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--rates", default="10,100", help="draft error rates in %%")
+    ap.add_argument("--kernels", default=None, help="invariant (GPU default) or torch")
+    ap.add_argument("--no-torch", action="store_true", help="skip the plain-torch rows")
+    ap.add_argument("--no-generate", action="store_true", help="skip the generate() anchor")
+    ap.add_argument("--invariance", default="", help="comma-separated batch sizes at which row 0 is checked alone vs in "
+                    "the batch (bitwise tokens and log-probabilities, both kernel sets)")
+    ap.add_argument("--generate-tokens", type=int, default=None,
+                    help="output tokens of the generate() anchor (default --tokens; its tok/s is per token)")
+    ap.add_argument("--mem-tokens", default="1024,8192")
+    ap.add_argument("--mem-batch", type=int, default=64)
     ap.add_argument("--k-max", type=int, default=16)
-    ap.add_argument("--backend", default=None, help="auto|graphs|static|eager (default: graphs on CUDA, static on CPU)")
+    ap.add_argument("--vision-group", type=int, default=8)
     ap.add_argument("--device", default=None)
-    ap.add_argument("--dtype", default=None, help="bf16 (GPU default) or fp32 (CPU default)")
-    ap.add_argument("--with-eager", action="store_true", help="also time the eager engine (slow: ~official speed)")
-    ap.add_argument("--plant", type=float, default=0.0, metavar="SCALE",
-                    help="plant a wide-margin successor chain with this embedding scale (0 = plain random weights; "
-                         "see plant_successor_chain) so that bf16 verify and single steps agree and acceptance "
-                         "follows the injected error rate")
-    ap.add_argument("--budget-s", type=float, default=480.0, help="skip remaining runs after this many seconds")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (a loaded CPU: 1)")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--plant", type=float, default=100.0)
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
-    deadline = t_start + args.budget_s
-
-    device = args.device or ("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
-    dtype = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
-             "fp16": torch.float16}[args.dtype or ("float32" if device == "cpu" else "bf16")]
-    args.backend = args.backend or ("graphs" if device.startswith("cuda") else "static")
-    args.tokens = args.tokens or (512 if args.quick else 2048)
-    args.pages = [int(p) for p in (args.pages or ("1" if args.quick else "1,16")).split(",")]
-    args.rates = [int(r) for r in (args.rates or ("0,10,100" if args.quick else "0,10,30,100")).split(",")]
-    args.moe = args.moe.split(",")
-    args.attn = args.attn.split(",")
-    args.compile = [{"on": True, "off": False}[c] for c in args.compile.split(",")]
-    args.mem_tokens = [int(t) for t in (args.mem_tokens or ("256,1024" if args.quick else "1024,8192")).split(",")]
-    if args.tiny:
-        torch.set_num_threads(1)
+    args.device = args.device or ("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("fp32" if args.device == "cpu" else "bf16")]
+    args.kernels = args.kernels or ("invariant" if args.device.startswith("cuda") else "torch")
+    args.rates = [int(r) for r in args.rates.split(",") if r]
+    args.mem_tokens = [int(t) for t in args.mem_tokens.split(",") if t]
+    args.invariance = [int(b) for b in args.invariance.split(",") if b]
+    if args.threads or args.tiny:
+        torch.set_num_threads(args.threads or 2)
 
     def log(msg):
         print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", flush=True)
 
-    clock = Clock(device)
-    loaded, model_desc = build_model(args.tiny, device, dtype, plant=args.plant)
-    log(f"model built: {model_desc}")
+    if args.model:
+        from PIL import Image
+
+        from engine.model import load_model
+
+        loaded = load_model(args.model, args.device, "bf16" if dtype == torch.bfloat16 else "fp32")
+        desc = {"params": sum(p.numel() for p in loaded.model.parameters()), "path": args.model}
+        PAGE_IMAGES.extend(Image.open(p).convert("RGB") for p in sorted(args.pages_dir.glob("*.png")))
+    else:
+        loaded, desc = build_model(args.tiny, args.device, dtype, plant=args.plant)
+    log(f"model built: {desc}")
     report = {"benchmark": "bench_engine", "argv": sys.argv[1:] if argv is None else argv,
-              "environment": environment(device), "model": {"name": loaded.name, **model_desc},
-              "dtype": str(dtype).removeprefix("torch."), "device": device, "tokens": args.tokens,
-              "k_max": args.k_max, "drafts_from": args.drafts_from, "backend": args.backend, "moe": args.moe,
-              "attn": args.attn, "compile": args.compile, "rates": args.rates,
-              "weights_gb": round(torch.cuda.memory_allocated() / 2**30, 3) if clock.cuda else None,
-              "chunks": [], "memory": {}}
+              "environment": environment(args.device), "model": {"name": loaded.name, **desc},
+              "dtype": str(dtype).removeprefix("torch."), "tokens": args.tokens, "k_max": args.k_max,
+              "kernels": args.kernels, "mem_batch": args.mem_batch, "results": [], "memory": {}}
     try:
-        for n_pages in args.pages:
-            log(f"chunk of {n_pages} page(s)")
-            report["chunks"].append(bench_chunk(loaded, n_pages, args, clock, deadline, log))
-        log("memory")
-        report["memory"] = bench_memory(loaded, args, clock, deadline, log)
+        for pages in [int(p) for p in args.pages.split(",")]:
+            for batch in [int(b) for b in args.batch.split(",")]:
+                log(f"{pages} page(s), batch {batch}")
+                report["results"].append(bench(loaded, pages, batch, args, log))
+                if args.json:  # what is measured so far survives a cut-off run
+                    args.json.parent.mkdir(parents=True, exist_ok=True)
+                    args.json.write_text(json.dumps(report, indent=1))
+        if args.mem_tokens:
+            log("memory")
+            report["memory"] = bench_memory(loaded, args, log)
     except Exception as exc:  # noqa: BLE001 - keep what was measured
         report["error"] = f"{type(exc).__name__}: {exc}"
         traceback.print_exc()

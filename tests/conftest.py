@@ -12,8 +12,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-import pymupdf
 import pytest
+
+# Without CUDA, Triton kernels (engine.invariant_kernels) run under Triton's interpreter; it must be on before
+# anything imports triton.language (transformers' generate() does).
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ROOT.parent / "shared" / "samples" / "real"
@@ -112,6 +118,8 @@ def db(settings):
 
 def make_pdf(path: Path, pages: list[str] | int = 1, size: tuple[float, float] = (595, 842)) -> Path:
     """A real PDF with a text layer: one page per string (or n numbered pages)."""
+    import pymupdf
+
     texts = [f"Page {i + 1} of {path.stem}" for i in range(pages)] if isinstance(pages, int) else pages
     doc = pymupdf.open()
     for t in texts:

@@ -1,8 +1,6 @@
-"""The speculative engine is token-identical to the official path (CPU, fp32, tiny random models).
-
-Windows 4, 8 and 128; 1 page and 3-page chunks; outputs well past the window (400 tokens at 128);
-drafters always right, half right, always wrong; the no-repeat-ngram rule firing; EOS; constant memory.
-"""
+"""The engine against the official path, one chunk at a time (CPU, fp32, tiny random models): the no-repeat rule
+against transformers' own processor, the rule firing, EOS, the chunk decoder's contract (pages, stats, context
+limit), constant memory, the drafters. Batches of chunks: tests/test_batch_engine.py."""
 
 from __future__ import annotations
 
@@ -15,21 +13,17 @@ from transformers import GenerationConfig
 from transformers.models.unlimited_ocr.generation_unlimited_ocr import (
     UnlimitedOcrSlidingWindowNoRepeatNgramLogitsProcessor as OfficialRule)
 
-from engine.chunk_decode import OfficialDecoder, load_decoder, prompt_length
+from engine.batch_engine import BatchEngine
+from engine.chunk_decode import EngineDecoder, OfficialDecoder, load_decoder, prompt_length
 from engine.drafters.ngram import NgramDrafter
 from engine.drafters.suffix_match import ReferenceDrafter, ReplayDrafter
 from engine.model import load_model
 from engine.ngram_rule import NoRepeatNgramRule
-from engine.official import official_generate, official_inputs, rswa_mask
-from engine.rswa_cache import RswaKVCache
-from engine.runner import RswaRunner
-from engine.speculative import SpeculativeDecoder, decode_ids
+from engine.official import official_generate, official_inputs
 from engine.tiny import build_tiny_model, set_eos_scale
 from tests.conftest import text_page as _page
 
 LENGTHS = {4: 60, 8: 100, 128: 400}  # new tokens per window: >= 3x the window, and past 128
-
-
 
 
 def _pages(n: int) -> list[Image.Image]:
@@ -112,102 +106,15 @@ def test_rule_equals_official_processor_with_drafted_tails():
     assert bans > 100
 
 
-# --- the cache and the forward ----------------------------------------------------------------------------
-
-def test_cache_mask_follows_tags_through_rollbacks():
-    window, max_step, prefix = 5, 4, 3
-    cache = RswaKVCache(num_layers=1, num_kv_heads=1, head_dim=2, prefix_len=prefix, window=window,
-                        max_step_tokens=max_step, dtype=torch.float32, device="cpu")
-    assert cache.ring_size == window + max_step - 1
-    size = cache.nbytes()
-    with pytest.raises(ValueError):
-        cache.begin_step(prefix + 1)  # a step never mixes prefix and output positions
-    _, mask = cache.begin_step(prefix)
-    cache.commit(prefix)
-    assert mask[0, 0, :, :prefix].tolist() == torch.tril(torch.ones(prefix, prefix, dtype=torch.bool)).tolist()
-    rng = random.Random(0)
-    for _ in range(500):
-        k = rng.randint(1, max_step)
-        positions, mask = cache.begin_step(k)
-        start = cache.length
-        for row, p in enumerate(positions[0].tolist()):
-            ring = mask[0, 0, row, prefix:]
-            assert mask[0, 0, row, :prefix].all()
-            visible = sorted(cache.tags[ring].tolist())
-            assert visible == list(range(max(prefix, p - window + 1), p + 1))  # exactly the window, itself included
-        cache.commit(rng.randint(1, k))  # reject a random tail
-        assert cache.length > start
-    assert cache.nbytes() == size
-    with pytest.raises(ValueError):
-        cache.begin_step(max_step + 1)
 
 
-def test_runner_logits_equal_hf_forward_with_rswa_mask(models):
-    loaded = models[4]
-    pages = _pages(1)
-    output = official_generate(loaded, pages, "single", 50).output_ids
-    inputs = official_inputs(loaded, pages, "single")
-    prefix = inputs["input_ids"].shape[1]
-    seq = torch.tensor([inputs["input_ids"][0].tolist() + output[:-1]])
-    with torch.inference_mode():
-        expected = loaded.model(input_ids=seq, pixel_values=inputs["pixel_values"],
-                                attention_mask=rswa_mask(prefix, seq.shape[1], 4)).logits[0, prefix - 1:]
-    runner = RswaRunner(loaded.model)
-    cache, first = runner.prefill(inputs, max_step_tokens=6)
-    rows, done, sizes = [first], 0, [1, 3, 6, 2, 5, 4]
-    while done < len(output) - 1:
-        k = min(sizes[len(rows) % len(sizes)], len(output) - 1 - done)
-        junk = [5] * min(2, 6 - k)  # drafted tokens that get rejected
-        rows.extend(runner.step(cache, output[done:done + k] + junk)[:k])
-        cache.commit(k)
-        done += k
-    torch.testing.assert_close(torch.stack(rows), expected, rtol=1e-4, atol=1e-4)
+def decode_ids(loaded, pages, max_new: int, mode: str = "lossless", replay_ids=None, **options) -> list[int]:
+    engine = BatchEngine(loaded, mode, **options)
+    return engine.run([engine.prepare(pages, max_new, replay_ids=replay_ids)])[0].output_ids
 
 
-# --- token-exactness --------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("window", [4, 8, 128])
-@pytest.mark.parametrize("n_pages", [1, 3])
-def test_plain_and_lossless_equal_official(models, official, window, n_pages):
-    loaded, pages = models[window], _pages(n_pages)
-    expected = official(window, n_pages)
-    max_new = LENGTHS[window]
-    assert len(expected) == max_new >= 3 * window
-    vocab = loaded.model.config.text_config.vocab_size
-    assert decode_ids(loaded, pages, max_new, mode="plain") == expected
-    assert decode_ids(loaded, pages, max_new) == expected  # ngram drafter only
-    for how in ["right", "every_other", "random_half", "wrong"]:
-        replay = _corrupt(expected, vocab, how)
-        assert decode_ids(loaded, pages, max_new, replay_ids=replay) == expected, how
-
-
-@pytest.mark.parametrize("k_max", [1, 3, 32])
-def test_ring_sizes_around_the_window(models, official, k_max):
-    expected = official(4, 1)
-    vocab = models[4].model.config.text_config.vocab_size
-    for how in ["right", "every_other"]:
-        ids = decode_ids(models[4], _pages(1), LENGTHS[4], k_max=k_max, replay_k_max=k_max,
-                         replay_ids=_corrupt(expected, vocab, how))
-        assert ids == expected, (k_max, how)
-
-
-@pytest.mark.parametrize("n_pages", [1, 3])
-def test_a_rerun_replays_longer_drafts(models, official, n_pages):
-    """The replay drafter's own cap (replay_k_max, 64 by default): a re-run with the right replay takes far fewer
-    forwards than at k_max 16, token-identical; a corrupted replay still decodes the official tokens."""
-    loaded, pages, expected = models[128], _pages(n_pages), official(128, n_pages)  # 400 tokens, past the window
-    vocab = loaded.model.config.text_config.vocab_size
-    forwards = {}
-    for cap in (16, 64):
-        res = SpeculativeDecoder(loaded, replay_k_max=cap).generate(pages, len(expected), replay_ids=expected)
-        assert res.output_ids == expected, cap
-        forwards[cap] = res.extra["speculative"]["forwards"]
-    assert 2 * forwards[64] < forwards[16]
-    for how in ["every_other", "random_half", "wrong"]:
-        assert decode_ids(loaded, pages, len(expected), replay_ids=_corrupt(expected, vocab, how)) == expected, how
-    with pytest.raises(ValueError, match="replay_k_max"):
-        SpeculativeDecoder(loaded, replay_k_max=0)
-
+def decoder(loaded, mode: str = "lossless", **options) -> EngineDecoder:
+    return EngineDecoder(BatchEngine(loaded, mode, **options))
 
 @pytest.mark.parametrize("n_pages", [1, 3])
 def test_no_repeat_ngram_rule_fires_and_engine_follows_it(models, official, n_pages):
@@ -235,8 +142,7 @@ def test_eos_finish(models):
         assert expected.finish_reason == "eos" and len(expected.output_ids) < 80
         ids = expected.output_ids
         for mode, replay in [("plain", None), ("lossless", ids + ids), ("lossless", ids[:-1] + [5, 6, 7])]:
-            decoder = SpeculativeDecoder(loaded, mode=mode)
-            out = decoder.decode(pages, context_limit=32768, max_new_tokens=80, replay_ids=replay)
+            out = decoder(loaded, mode).decode(pages, context_limit=32768, max_new_tokens=80, replay_ids=replay)
             assert out.output_ids == ids and out.finish_reason == "eos", (n_pages, mode, replay)
 
 
@@ -246,8 +152,8 @@ def test_decode_returns_chunk_output_with_stats(models, official):
     loaded, pages = models[8], _pages(3)
     expected = official(8, 3)
     reference = OfficialDecoder(loaded).decode(pages, context_limit=32768, max_new_tokens=len(expected))
-    decoder = SpeculativeDecoder(loaded, mode="lossless", k_max=8)
-    out = decoder.decode(pages, context_limit=32768, max_new_tokens=len(expected), replay_ids=expected,
+    dec = decoder(loaded, "lossless", k_max=8)
+    out = dec.decode(pages, context_limit=32768, max_new_tokens=len(expected), replay_ids=expected,
                          reference_texts=["page 0 line 0", "page 1 line 0", "page 2 line 0"])
     assert out.output_ids == reference.output_ids == expected
     assert [p.text for p in out.pages] == [p.text for p in reference.pages]
@@ -258,38 +164,42 @@ def test_decode_returns_chunk_output_with_stats(models, official):
     assert stats["drafters"]["replay"]["acceptance"] == 1.0 and set(stats["drafters"]) == {"reference", "replay",
                                                                                            "markup", "ngram"}
     assert stats["tau"] == stats["accepted_tokens"] / stats["verify_rounds"] > 4
-    assert all(stats[key] >= 0 for key in ["prefill_s", "draft_s", "verify_s", "single_s"])
-    for page in out.pages:
-        assert {"tokens", "verify_rounds", "single_steps", "verify_s", "tau"} <= set(page.stats)
+    assert stats["prefill_s"] > 0 and stats["verify_s"] > 0 and stats["batch_rows"] == 1.0
+    single = dec.decode(_pages(1), context_limit=32768, max_new_tokens=40)
+    page = single.pages[0]  # one page: the chunk's counts are the page's
+    assert page.stats["tokens"] == 40 and page.stats["batch_rows"] == 1.0 and page.stats["mode"] == "lossless"
+    assert (page.stats["verify_rounds"], page.stats["single_steps"]) == (single.chunk_stats["verify_rounds"],
+                                                                        single.chunk_stats["single_steps"])
 
     prompt = prompt_length(loaded, 3)
-    cut = decoder.decode(pages, context_limit=prompt + 26)
+    cut = dec.decode(pages, context_limit=prompt + 26)
     assert cut.finish_reason == "context_limit" and cut.output_ids == expected[:26]
-    assert decoder.decode(pages, context_limit=prompt + 10).finish_reason == "no_room"
-    assert decoder.describe()["mode"] == "lossless"
+    assert dec.decode(pages, context_limit=prompt + 10).finish_reason == "no_room"
+    assert dec.describe()["mode"] == "lossless"
 
 
 def test_load_decoder_modes(models):
     path = models[8].path
     assert load_decoder(path, "cpu", "float32", mode="plain").mode == "plain"
-    assert isinstance(load_decoder(path, "cpu", "float32", mode="lossless"), SpeculativeDecoder)
+    lossless = load_decoder(path, "cpu", "float32", mode="lossless", max_batch="auto", max_pages_per_chunk=4)
+    assert isinstance(lossless, EngineDecoder) and lossless.describe()["backend"] == "eager"
+    assert lossless.engine.max_batch == 4 and lossless.engine.kv.capacity >= prompt_length(models[8], 4)
+    assert lossless.describe()["kernels"] == "torch"  # fp32 / CPU: the model's own kernels
     fast = load_decoder(path, "cpu", "float32", mode="fast", fast_threshold=0.5)
     assert fast.mode == "fast" and fast.describe()["fast_threshold"] == 0.5
-    # engine.compile_step reaches the decoder; on the CPU the eager engine runs, with nothing to compile
-    compiled = load_decoder(path, "cpu", "float32", mode="plain", compile_step=True)
-    assert compiled.backend == "eager" and compiled.static is None
+    assert isinstance(load_decoder(path, "cpu", "float32", mode="official"), OfficialDecoder)
     with pytest.raises(ValueError):
         load_decoder(path, "cpu", "float32", mode="turbo")
 
 
 def test_cache_memory_is_constant_in_output_length(models):
-    # the looping model: its ngram drafts are often right, so 5,000 tokens take ~1,700 forwards
-    decoder = SpeculativeDecoder(models["loop"], mode="lossless", k_max=16, drafters=("ngram",))
-    short = decoder.generate(_pages(1), 500).extra["speculative"]
-    long = decoder.generate(_pages(1), 5000).extra["speculative"]
+    # the looping model: its ngram drafts are often right, so 5,000 tokens take far fewer forwards
+    engine = BatchEngine(models["loop"], "lossless", drafters=("ngram",))
+    short = engine.run([engine.prepare(_pages(1), 500)])[0].stats
+    long = engine.run([engine.prepare(_pages(1), 5000)])[0].stats
     assert (short["tokens"], long["tokens"]) == (500, 5000)
-    assert short["cache_bytes"] == long["cache_bytes"]
-    assert long["ring_slots"] == 8 + 16  # window + k_max slots (a step writes up to k_max + 1 tokens)
+    assert short["cache_bytes"] == long["cache_bytes"] == engine.kv.bytes_per_row()
+    assert long["ring_slots"] == 32  # window 8 + widest step 17 - 1, rounded up to 16
     assert long["verify_rounds"] > 100 and long["accepted_tokens"] > 1000  # the ring wrapped under speculation
 
 

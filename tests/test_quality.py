@@ -8,14 +8,14 @@ import random
 import pytest
 import torch
 
+from engine.acceptance import accept
+from engine.batch_engine import BatchEngine
+from engine.chunk_decode import EngineDecoder
 from engine.model import load_model
-from engine.ngram_rule import NoRepeatNgramRule, greedy_token
-from engine.official import official_generate, official_inputs
+from engine.ngram_rule import NoRepeatNgramRule
+from engine.official import official_generate
 from engine.quality import (Thresholds, distinct_n, edit_distance, finish_reason, grade, grade_document, loop_tail,
                             looping, neighbour_ratio, normalized_edit_distance, page_quality)
-from engine.runner import RswaRunner
-from engine.speculative import SpeculativeDecoder
-from engine.verify import verify_round
 from tests.conftest import text_page
 
 
@@ -116,69 +116,62 @@ def loaded(tiny_model_dir):
     torch.set_num_threads(previous)
 
 
+def generate(loaded, pages, max_new: int, mode: str, replay_ids=None, **options):
+    engine = BatchEngine(loaded, mode, **options)
+    return engine.run([engine.prepare(pages, max_new, replay_ids=replay_ids,
+                                      reference_texts=["page 1 line", "page 2"] if len(pages) == 2 else None)])[0]
+
+
 def test_every_mode_records_the_same_logprobs(loaded):
     pages = [text_page(1), text_page(2)]
     official = official_generate(loaded, pages, "multi", 60)
     assert len(official.logprobs) == len(official.output_ids) == 60
     for mode in ("plain", "lossless"):
-        res = SpeculativeDecoder(loaded, mode=mode).generate(pages, 60, reference_texts=["page 1 line", "page 2"])
+        res = generate(loaded, pages, 60, mode)
         assert res.output_ids == official.output_ids
         assert res.logprobs == pytest.approx(official.logprobs, abs=1e-4)
     assert all(lp <= 0.0 for lp in official.logprobs)
 
 
 def test_chunk_pages_carry_their_ids_and_logprobs(loaded):
-    out = SpeculativeDecoder(loaded, mode="plain").decode([text_page(3)], context_limit=4096, max_new_tokens=40)
+    decoder = EngineDecoder(BatchEngine(loaded, "plain"))
+    out = decoder.decode([text_page(3)], context_limit=4096, max_new_tokens=40)
     page = out.pages[0]
     assert page.ids == out.output_ids and len(page.logprobs) == 40 and page.stats["mode"] == "plain"
 
 
-def test_fast_round_accepts_a_likely_draft_and_then_emits_the_targets_token(loaded):
-    runner = RswaRunner(loaded.model)
-    inputs = official_inputs(loaded, [text_page(4)], "single")
-    prompt = inputs["input_ids"][0].tolist()
+def test_fast_acceptance_takes_a_likely_draft_and_then_the_targets_token():
+    """A step's rows (`engine.forward.summarize`): row 0 judges draft d1 = 5 where the target prefers 3."""
+    probs0 = torch.full((10,), 0.1 / 8)
+    probs0[3], probs0[5] = 0.6, 0.3
+    logits0 = probs0.log()
+    logits1 = torch.zeros(10)
+    logits1[7] = 4.0
+    lse0, lse1 = float(torch.logsumexp(logits0, 0)), float(torch.logsumexp(logits1, 0))
+    rows = [(3, float(logits0[3]), lse0, float(logits0[5]), 5), (7, 4.0, lse1, 0.0, 5)]
+    row = [logits0, logits1].__getitem__
 
-    def start():
-        cache, logits = runner.prefill(inputs, max_step_tokens=4)
-        rule = NoRepeatNgramRule(35, 128, prompt)
-        first = greedy_token(logits, rule.banned())
-        rule.extend([first])
-        return cache, rule, first
+    def run(**options):
+        return accept(rows, 1, NoRepeatNgramRule(35, 128, []), eos_token_id=1, logits_row=row, **options)
 
-    cache, rule, first = start()
-    logits = runner.step(cache, [first])[0]
-    probs = logits.softmax(-1)
-    target = int(probs.argmax())
-    runner_up = int(probs.topk(2).indices[1])
-    p = float(probs[runner_up])
-    cache, rule, first = start()
-    lossless = verify_round(runner, cache, rule, first, [runner_up], loaded.eos_token_id)
-    assert lossless.emitted == [target] and lossless.relaxed == 0
-    cache, rule, first = start()
-    strict = verify_round(runner, cache, rule, first, [runner_up], loaded.eos_token_id, fast_threshold=min(1.0, p * 1.01))
-    assert strict.emitted == [target]  # below the threshold: the target's own token
-    cache, rule, first = start()
-    fast = verify_round(runner, cache, rule, first, [runner_up], loaded.eos_token_id, fast_threshold=p * 0.99)
-    assert fast.emitted[0] == runner_up and fast.relaxed == 1 and len(fast.emitted) == 2
-    assert fast.logprobs[0] == pytest.approx(math.log(p), abs=1e-4)
-    cache, rule, first = start()  # the token after the relaxed one is the target's choice after it
-    after = runner.step(cache, [first, runner_up])[1]
-    assert fast.emitted[1] == greedy_token(after, rule.banned([runner_up]))
-    cache, rule, first = start()  # never accept EOS (or the page separator) by probability
-    eos_draft = verify_round(runner, cache, rule, first, [runner_up], loaded.eos_token_id, fast_threshold=1e-9,
-                             strict_ids=frozenset({runner_up}))
-    assert eos_draft.emitted == [target]
+    lossless = run()
+    assert lossless.emitted == [3] and lossless.relaxed == 0
+    assert lossless.logprobs == [pytest.approx(math.log(0.6), abs=1e-5)]
+    assert run(fast_threshold=0.31).emitted == [3]  # below the threshold: the target's own token
+    fast = run(fast_threshold=0.29)
+    assert fast.emitted == [5, 7] and fast.relaxed == 1  # then the target's choice after the relaxed draft
+    assert fast.logprobs[0] == pytest.approx(math.log(0.3), abs=1e-5)
+    assert run(fast_threshold=1e-9, strict_ids=frozenset({5})).emitted == [3]  # never EOS / page separator
 
 
 def test_fast_mode_is_complete_and_lossless_at_threshold_one(loaded):
     pages = [text_page(5)]
-    lossless = SpeculativeDecoder(loaded, mode="lossless").generate(pages, 80)
+    lossless = generate(loaded, pages, 80, "lossless")
     wrong = [(t + 3) % 300 for t in lossless.output_ids]  # a replay draft that is always a bit wrong
-    exact = SpeculativeDecoder(loaded, mode="fast", fast_threshold=1.0).generate(pages, 80, replay_ids=wrong)
+    exact = generate(loaded, pages, 80, "fast", replay_ids=wrong, fast_threshold=1.0)
     assert exact.output_ids == lossless.output_ids
-    loose = SpeculativeDecoder(loaded, mode="fast", fast_threshold=1e-6).generate(pages, 80, replay_ids=wrong)
-    stats = loose.extra["speculative"]
-    assert stats["mode"] == "fast" and stats["relaxed_tokens"] > 0
+    loose = generate(loaded, pages, 80, "fast", replay_ids=wrong, fast_threshold=1e-6)
+    assert loose.stats["mode"] == "fast" and loose.stats["relaxed_tokens"] > 0
     assert len(loose.output_ids) == 80  # never truncated: runs to the same limit
     assert loose.output_ids != lossless.output_ids
 

@@ -57,20 +57,28 @@ class DraftPolicy:
         self._benched = {d.name: getattr(d, "sits_out", True) for d in self.drafters}
         self._keeps_k = {d.name: getattr(d, "keeps_k", False) for d in self.drafters}
 
-    def propose(self, committed_ids: list[int], room: int) -> tuple[str | None, list[int]]:
-        """(drafter name, draft of at most ``room`` tokens); (None, []) when nobody has a draft."""
-        best: tuple[str | None, list[int]] = (None, [])
+    def propose(self, committed_ids: list[int], room: int) -> tuple[str | None, list[int], int]:
+        """(drafter name, draft of at most ``room`` tokens, device k): the longest proposal of this round.
+        A drafter with ``on_device = True`` (the block drafter: its drafts are made for many rows in one forward
+        and stay on the device) is not asked here: when it would win (its K beats every host draft) the result
+        is (its name, [], its K) and the engine drafts it; (None, [], 0) when nobody has a draft."""
+        best: tuple[str | None, list[int], int] = (None, [], 0)
         for drafter in self.drafters:
             if self._sit_out[drafter.name] > 0:
                 self._sit_out[drafter.name] -= 1
                 continue
             limit = min(self.k[drafter.name], room)
             cap = getattr(drafter, "max_draft", None)
-            if cap is not None and len(best[1]) >= min(limit, cap):
+            longest = len(best[1]) or best[2]
+            if cap is not None and longest >= min(limit, cap):
                 continue  # it cannot propose a longer draft: skip its (costly) forward
+            if getattr(drafter, "on_device", False):
+                if limit > 0 and drafter.ready(committed_ids):
+                    best = (drafter.name, [], min(limit, cap or limit))
+                continue
             draft = drafter.propose(committed_ids, limit)
-            if len(draft) > len(best[1]):
-                best = (drafter.name, draft)
+            if len(draft) > longest:
+                best = (drafter.name, draft, 0)
         return best
 
     def record(self, name: str, proposed: int, accepted: int) -> None:
