@@ -4,6 +4,13 @@ A document is one dropped file, keyed by its content SHA-256. Its pages are spli
 work a worker claims). A run is one pass of a model/mode over chunks; pages are stored per run, so a
 re-run keeps the history. Lease and retry times are UNIX seconds (float) so that comparisons are plain
 arithmetic on every backend.
+
+Every column holds what it stores on SQLite and on PostgreSQL alike (PostgreSQL enforces declared types, SQLite does
+not): file sizes (over 2 GiB) and nanosecond mtimes are 64-bit (``BigInteger``); ids, page numbers, page counts and
+attempts are 32-bit (``Integer``, up to 2**31 - 1); token counts and figures live in JSON; times are ``DateTime`` with
+the zone (UNIX seconds as double precision for leases); text that may come from a page (its text, its PDF text layer)
+or from an error message is ``CleanText``, which drops NUL characters (PostgreSQL text cannot hold them), and JSON is
+written without NaN or infinity (PostgreSQL's JSON refuses them; ``db.session`` writes them as null).
 """
 
 from __future__ import annotations
@@ -11,9 +18,20 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
-from sqlalchemy.types import DateTime
+from sqlalchemy.types import DateTime, TypeDecorator
+
+
+class CleanText(TypeDecorator):
+    """Text without NUL characters: PostgreSQL refuses them in text (a broken PDF text layer can hold some), so they
+    are dropped on every backend, and both store the same."""
+
+    impl = Text
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Any) -> Any:
+        return value.replace("\x00", "") if isinstance(value, str) else value
 
 
 def utcnow() -> datetime:
@@ -52,12 +70,12 @@ class Document(Base):
     sha256: Mapped[str] = mapped_column(String(64), unique=True)
     original_path: Mapped[str] = mapped_column(Text, index=True)
     original_name: Mapped[str] = mapped_column(String(512))
-    size_bytes: Mapped[int] = mapped_column(Integer)
-    mtime_ns: Mapped[int] = mapped_column(Integer)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    mtime_ns: Mapped[int] = mapped_column(BigInteger)  # st_mtime_ns: ~1.8e18, beyond 32 bits
     kind: Mapped[str] = mapped_column(String(16))  # pdf | tiff | png | jpeg
     page_count: Mapped[int] = mapped_column(Integer)
     status: Mapped[str] = mapped_column(String(16), default=DocStatus.QUEUED, index=True)
-    error: Mapped[str | None] = mapped_column(Text, default=None)
+    error: Mapped[str | None] = mapped_column(CleanText, default=None)
     archived_path: Mapped[str | None] = mapped_column(Text, default=None)
     output_dir: Mapped[str | None] = mapped_column(Text, default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
@@ -76,8 +94,8 @@ class Duplicate(Base):
     document_id: Mapped[int] = mapped_column(ForeignKey("documents.id"), index=True)
     path: Mapped[str] = mapped_column(Text)
     name: Mapped[str] = mapped_column(String(512))
-    size_bytes: Mapped[int] = mapped_column(Integer)
-    mtime_ns: Mapped[int] = mapped_column(Integer)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    mtime_ns: Mapped[int] = mapped_column(BigInteger)
     moved_to: Mapped[str | None] = mapped_column(Text, default=None)
     seen_at: Mapped[datetime] = mapped_column(default=utcnow)
 
@@ -92,8 +110,8 @@ class Rejected(Base):
     path: Mapped[str] = mapped_column(Text)
     name: Mapped[str] = mapped_column(String(512))
     sha256: Mapped[str | None] = mapped_column(String(64), default=None, index=True)
-    size_bytes: Mapped[int] = mapped_column(Integer, default=0)
-    reason: Mapped[str] = mapped_column(Text)
+    size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    reason: Mapped[str] = mapped_column(CleanText)
     moved_to: Mapped[str | None] = mapped_column(Text, default=None)
     seen_at: Mapped[datetime] = mapped_column(default=utcnow)
 
@@ -132,10 +150,10 @@ class Chunk(Base):
     lease_owner: Mapped[str | None] = mapped_column(String(255), default=None)
     lease_expires_at: Mapped[float | None] = mapped_column(Float, default=None)
     next_attempt_at: Mapped[float] = mapped_column(Float, default=0.0)
-    last_error: Mapped[str | None] = mapped_column(Text, default=None)
+    last_error: Mapped[str | None] = mapped_column(CleanText, default=None)
     parent_id: Mapped[int | None] = mapped_column(ForeignKey("chunks.id"), default=None)
     run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id"), default=None)
-    note: Mapped[str | None] = mapped_column(Text, default=None)  # e.g. page-count mismatch
+    note: Mapped[str | None] = mapped_column(CleanText, default=None)  # e.g. page-count mismatch
     stats: Mapped[dict[str, Any] | None] = mapped_column(default=None)
     output_ids: Mapped[list[Any] | None] = mapped_column(default=None)  # the decode's token ids (for replay)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
@@ -156,8 +174,8 @@ class Page(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), index=True)
     chunk_id: Mapped[int | None] = mapped_column(ForeignKey("chunks.id"), default=None)
     page_index: Mapped[int] = mapped_column(Integer)  # 1-based
-    text: Mapped[str] = mapped_column(Text, default="")
+    text: Mapped[str] = mapped_column(CleanText, default="")
     boxes: Mapped[list[Any]] = mapped_column(default=list)
     stats: Mapped[dict[str, Any]] = mapped_column(default=dict)
-    text_layer: Mapped[str | None] = mapped_column(Text, default=None)
+    text_layer: Mapped[str | None] = mapped_column(CleanText, default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

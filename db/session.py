@@ -11,15 +11,18 @@ a new database at the current version, migrates an older one in order, and refus
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from sqlalchemy import Connection, Engine, create_engine, event, func, select, text, update
+from sqlalchemy import Connection, Engine, create_engine, event, func, make_url, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from db.models import Base, Run, RunEnd, SchemaVersion
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 def _v2_run_owner_and_end(conn: Connection) -> None:
@@ -33,12 +36,41 @@ def _v2_run_owner_and_end(conn: Connection) -> None:
             owner=(settings or {}).get("owner"), end_reason=RunEnd.CLOSED if finished is not None else None))
 
 
+def _v3_64_bit_sizes_and_mtimes(conn: Connection) -> None:
+    """File sizes and nanosecond mtimes as 64-bit integers. PostgreSQL enforced the 32-bit INTEGER they were declared
+    with (an mtime in nanoseconds is ~1.8e18: no file could be taken in); SQLite's INTEGER is 64-bit already, so there
+    nothing changes but the version."""
+    if conn.dialect.name == "sqlite":
+        return
+    for table, columns in (("documents", ("size_bytes", "mtime_ns")), ("duplicates", ("size_bytes", "mtime_ns")),
+                           ("rejected_files", ("size_bytes",))):
+        conn.execute(text(f"ALTER TABLE {table} " + ", ".join(f"ALTER COLUMN {c} TYPE BIGINT" for c in columns)))
+
+
 # version -> function(connection) that upgrades from version-1. Add an entry with every schema change.
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {2: _v2_run_owner_and_end}
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {2: _v2_run_owner_and_end, 3: _v3_64_bit_sizes_and_mtimes}
 
 
 class SchemaTooNew(RuntimeError):
     pass
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def json_dumps(value: Any) -> str:
+    """JSON for the ledger, the same on every backend: NaN and infinity (which PostgreSQL's JSON refuses) as null."""
+    try:
+        return json.dumps(value, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(value), allow_nan=False)
 
 
 def make_engine(url: str, busy_timeout_ms: int = 30_000) -> Engine:
@@ -46,7 +78,7 @@ def make_engine(url: str, busy_timeout_ms: int = 30_000) -> Engine:
         path = url.split("sqlite:///", 1)[-1]
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"timeout": busy_timeout_ms / 1000})
+        engine = create_engine(url, connect_args={"timeout": busy_timeout_ms / 1000}, json_serializer=json_dumps)
 
         @event.listens_for(engine, "connect")
         def _on_connect(dbapi_conn, _record):  # noqa: ANN001
@@ -63,10 +95,15 @@ def make_engine(url: str, busy_timeout_ms: int = 30_000) -> Engine:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
-    return create_engine(url, pool_pre_ping=True)
+    # a server that went away is seen within seconds, not after the system's TCP timeouts (minutes to hours);
+    # a pooled connection it dropped is replaced before use (pre-ping)
+    connect_args = {"connect_timeout": 10, "keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10,
+                    "keepalives_count": 3} if make_url(url).get_driver_name() in ("psycopg", "psycopg2") else {}
+    return create_engine(url, pool_pre_ping=True, json_serializer=json_dumps, connect_args=connect_args)
 
 
-def _schema_version(conn: Connection) -> int | None:
+def schema_version(conn: Connection) -> int | None:
+    """The schema version of the ledger on ``conn``, or None when it has no uflash tables yet."""
     if not conn.dialect.has_table(conn, SchemaVersion.__tablename__):
         return None
     return conn.execute(select(func.max(SchemaVersion.version))).scalar()
@@ -75,7 +112,7 @@ def _schema_version(conn: Connection) -> int | None:
 def init_schema(engine: Engine) -> int:
     """Create or migrate the schema; returns the version now in force."""
     with engine.begin() as conn:
-        current = _schema_version(conn)
+        current = schema_version(conn)
         if current is None:
             Base.metadata.create_all(conn)
             conn.execute(SchemaVersion.__table__.insert().values(version=SCHEMA_VERSION))

@@ -1,7 +1,8 @@
 """The ``uflash`` command. Typed errors become exit codes here, and only here.
 
 Exit codes: 0 ok, 1 unexpected error, 2 bad configuration or usage, 3 model not available,
-4 input rejected (``uflash run`` on a file that cannot be processed), 130 interrupted, 141 output pipe closed.
+4 input rejected (``uflash run`` on a file that cannot be processed), 5 the ledger or the machine failed (database
+unreachable or locked, disk full: ingest.errors.infrastructure_problem), 130 interrupted, 141 output pipe closed.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from loguru import logger
 
 from ingest.config import Settings, load_settings
-from ingest.errors import ConfigError, UflashError, UsageError
+from ingest.errors import ConfigError, InfrastructureError, UflashError, UsageError, infrastructure_problem
 from ingest.logs import setup_logging
 
 MODES = ["official", "plain", "lossless", "fast"]
@@ -71,13 +72,51 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="documents and chunks by state, failures and their reasons")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--limit", type=int, default=20, help="how many failures to list")
+
+    c = sub.add_parser("check", help="check the set-up of this machine: the ledger (reachable, schema version), "
+                                     "the folders and the model; changes nothing")
+    c.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
 
 def _open_db(settings: Settings):  # noqa: ANN202
-    from db.session import Database
+    """The ledger, created or migrated to this uflash's schema. A URL that cannot work is a configuration error; an
+    unreachable server raises what the database layer raised (an infrastructure problem, exit code 5)."""
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
-    return Database(settings.database_url, settings.database.busy_timeout_ms)
+    from db.session import Database, SchemaTooNew
+    from ingest.check import masked_url
+
+    try:
+        return Database(settings.database_url, settings.database.busy_timeout_ms)
+    except SchemaTooNew as e:
+        raise UsageError(str(e)) from None
+    except ImportError as e:
+        raise ConfigError(f"database.url {masked_url(settings.database_url)} needs a database driver that is not "
+                          f"installed ({e.name}): pip install -e \".[postgres]\"") from None
+    except (ArgumentError, NoSuchModuleError) as e:
+        raise ConfigError(f"database.url {masked_url(settings.database_url)} is not a usable database URL: {e}") \
+            from None
+
+
+def _open_db_waiting(settings: Settings, stop: threading.Event):  # noqa: ANN202
+    """``_open_db`` for the long-running watcher: while the ledger cannot be reached (its server not up yet after a
+    power cut, the network down), say so loudly and try again with a growing backoff. None when stopped first."""
+    from ingest.check import masked_url
+    from ingest.health import Trouble
+
+    trouble = Trouble(settings.logs, "start")
+    while not stop.is_set():
+        try:
+            db = _open_db(settings)
+            trouble.ok()
+            return db
+        except Exception as e:
+            problem = infrastructure_problem(e)
+            if problem is None:
+                raise
+            stop.wait(trouble.failed(f"cannot open the ledger {masked_url(settings.database_url)}: {problem}"))
+    return None
 
 
 def _missing_ledger(settings: Settings) -> Path | None:
@@ -131,8 +170,11 @@ def cmd_watch(settings: Settings, args: argparse.Namespace) -> int:
 
     settings.check_folders()
     settings.ensure_folders()
-    db = _open_db(settings)
     stop = _stop_event()
+    db = _open_db_waiting(settings, stop)
+    if db is None:
+        logger.info("stopped")
+        return 0
     watcher = InboxWatcher(settings, db)
     if args.intake_only:
         watcher.run(stop)
@@ -150,6 +192,7 @@ def cmd_watch(settings: Settings, args: argparse.Namespace) -> int:
             _write_report(settings, db, run_id, log=True)
 
     worker.on_idle = batch_done
+    run_id = None
     try:
         while not stop.is_set():
             try:
@@ -159,7 +202,13 @@ def cmd_watch(settings: Settings, args: argparse.Namespace) -> int:
                 wait_backoff(60, stop)
     finally:
         stop.set()
-        run_id = worker.close_run()
+        try:
+            run_id = worker.close_run()
+        except Exception as e:  # the ledger is down: the next worker on this host closes the run as crashed
+            if infrastructure_problem(e) is None:
+                raise
+            logger.error("could not close run {}: {}; the next uflash on this machine closes it", worker._run_id,
+                         infrastructure_problem(e))
         intake.join(timeout=30)
     logger.info("stopped{}", f" (run {run_id} closed)" if run_id is not None else "")
     return 0
@@ -258,21 +307,43 @@ def cmd_windows_task(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
+    from ingest.check import masked_url
+    from ingest.health import format_trouble, read_trouble
     from ingest.status import collect_status, format_status
 
     from db.session import Database
 
+    ledger = masked_url(settings.database_url)
+    trouble = read_trouble(settings.logs)  # written by the watchers of this machine: readable with the ledger down
     missing = _missing_ledger(settings)
     if missing is not None:
         print(f"uflash: no ledger at {missing} yet: nothing taken in with this configuration", file=sys.stderr)
-    st = collect_status(Database("sqlite://") if missing else _open_db(settings), limit=args.limit)
-    st["ledger"] = settings.database_url
+    try:
+        st = collect_status(Database("sqlite://") if missing else _open_db(settings), limit=args.limit)
+    except Exception as e:
+        if (problem := infrastructure_problem(e)) is None:
+            raise
+        if args.json:
+            print(json.dumps({"ledger": ledger, "error": problem, "infrastructure": trouble}))
+        else:
+            print("\n".join([f"ledger: {ledger}", f"the ledger cannot be read: {problem}", *format_trouble(trouble)]))
+        return InfrastructureError.exit_code
+    st["ledger"] = ledger
+    st["infrastructure"] = trouble
     print(json.dumps(st) if args.json else f"ledger: {st['ledger']}\n" + format_status(st))
     return 0
 
 
+def cmd_check(settings: Settings, args: argparse.Namespace) -> int:
+    from ingest.check import format_checks, run_checks
+
+    result = run_checks(settings)
+    print(json.dumps(result) if args.json else format_checks(result))
+    return result["exit_code"]
+
+
 COMMANDS = {"watch": cmd_watch, "run": cmd_run, "status": cmd_status, "report": cmd_report, "rerun": cmd_rerun,
-            "diff": cmd_diff, "windows-task": cmd_windows_task}
+            "diff": cmd_diff, "windows-task": cmd_windows_task, "check": cmd_check}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(None, args.verbose, args.quiet)
     try:
         settings = load_settings(args.config)
-        if args.command not in ("status", "report", "diff", "windows-task"):
+        if args.command not in ("status", "report", "diff", "windows-task", "check"):
             settings.ensure_folders("logs")
             setup_logging(settings.logs, args.verbose, args.quiet)
         code = COMMANDS[args.command](settings, args)
@@ -298,6 +369,11 @@ def main(argv: list[str] | None = None) -> int:
         print("uflash: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
+        if (problem := infrastructure_problem(e)) is not None:  # the ledger or the machine, not the input
+            logger.opt(exception=True).debug("{}", problem)
+            err = InfrastructureError(problem)
+            print(f"uflash: error: {err}", file=sys.stderr)
+            return err.exit_code
         logger.opt(exception=True).error("unexpected error: {}", e)
         return 1
 

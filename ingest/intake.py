@@ -8,7 +8,10 @@ file renamed; and a document's own file is never moved aside as a duplicate of i
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -23,7 +26,7 @@ from db.session import Database
 from engine.chunking import ChunkPlan, plan_chunks
 from ingest.config import Settings
 from ingest.errors import InputIncomplete, InputRejected
-from ingest.files import file_away, is_inside, move_file, sha256_file, write_atomic
+from ingest.files import file_away, is_inside, move_file, sha256_file, unique_destination, write_atomic
 from ingest.probe import Probed, probe_file
 
 CHARS_PER_TOKEN = 2.0  # rough: markup and boxes add tokens beyond the plain characters
@@ -68,14 +71,52 @@ def known_document(db: Database, path: Path, size: int, mtime_ns: int) -> int | 
 
 def reject(db: Database, settings: Settings, path: Path, reason: str, sha: str | None = None) -> IntakeResult:
     size = path.stat().st_size if path.exists() else 0
-    dest = file_away(path, settings.failed, settings.inbox)
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    write_atomic(dest.with_name(dest.name + ".error.txt"),
-                 f"file: {path}\nrejected: {stamp}\nreason: {reason}\nsha256: {sha or '-'}\n")
-    with db.session() as s, s.begin():
-        s.add(Rejected(path=str(path), name=path.name, sha256=sha, size_bytes=size, reason=reason, moved_to=str(dest)))
+    row = Rejected(path=str(path), name=path.name, sha256=sha, size_bytes=size, reason=reason)
+    note = f"file: {path}\nrejected: {stamp}\nreason: {reason}\nsha256: {sha or '-'}\n"
+    dest = _record_and_place(db, row, path, lambda: file_away(path, settings.failed, settings.inbox), note)
     logger.warning("rejected {}: {} -> {}", path.name, reason, dest)
     return IntakeResult("rejected", reason=reason, moved_to=dest)
+
+
+def _record_and_place(db: Database, row: Rejected | Duplicate, path: Path, place: Callable[[], Path | None],
+                      note: str | None = None) -> Path | None:
+    """Record ``row`` in the ledger, put the file where it goes (``place()``: moved from the inbox, or copied; with
+    ``note`` written beside it as ``<name>.error.txt``), and commit with ``row.moved_to``, in one transaction. The
+    ledger goes first: when it cannot take the record (unreachable, locked, full) the file stays where it is,
+    untouched; when placing the file or the commit fails, the record is not kept and the file is put back."""
+    with db.session() as s:
+        s.begin()
+        s.add(row)
+        s.flush()
+        dest, copied = None, False
+        try:
+            dest = place()
+            copied = path.exists()  # a file named outside the inbox is copied, not moved
+            if dest is not None and note is not None:
+                write_atomic(dest.with_name(dest.name + ".error.txt"), note)
+            row.moved_to = str(dest) if dest else None
+            s.commit()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                s.rollback()
+            _put_back(path, dest, copied)
+            raise
+        return dest
+
+
+def _put_back(path: Path, dest: Path | None, copied: bool) -> None:
+    """Undo ``_record_and_place``'s move (or copy) of ``path`` to ``dest`` and its error note, as far as possible."""
+    if dest is None:
+        return
+    try:
+        dest.with_name(dest.name + ".error.txt").unlink(missing_ok=True)
+        if copied:
+            dest.unlink(missing_ok=True)
+        else:  # under its own name, or another if a new file took that name meanwhile
+            shutil.move(str(dest), str(unique_destination(path.parent, path.name)))
+    except OSError as e:
+        logger.error("could not put {} back from {}: {}", path, dest, e)
 
 
 def _by_sha(db: Database, sha: str) -> Document | None:
@@ -133,10 +174,9 @@ def _duplicate(db: Database, settings: Settings, path: Path, st, doc: Document) 
         # the document's own file (touched, or taken by two intakes at once): the only copy, never moved aside
         return IntakeResult("known", document_id=doc.id)
     # a duplicate from the inbox is moved aside; one named elsewhere stays there and is only recorded
-    dest = move_file(path, settings.archive / "duplicates") if is_inside(path, settings.inbox) else None
-    with db.session() as s, s.begin():
-        s.add(Duplicate(document_id=doc.id, path=str(path), name=path.name, size_bytes=st.st_size,
-                        mtime_ns=st.st_mtime_ns, moved_to=str(dest) if dest else None))
+    row = Duplicate(document_id=doc.id, path=str(path), name=path.name, size_bytes=st.st_size, mtime_ns=st.st_mtime_ns)
+    dest = _record_and_place(db, row, path, lambda: move_file(path, settings.archive / "duplicates")
+                             if is_inside(path, settings.inbox) else None)
     logger.info("duplicate {} of document {} -> {}", path.name, doc.id, dest or "left in place")
     return IntakeResult("duplicate", document_id=doc.id, moved_to=dest)
 

@@ -142,8 +142,9 @@ def rerun(settings: Settings, db: Database, make_worker: Callable[..., Any], sto
         finally:
             worker.close_run()
     with db.session() as s:
-        ids = list(s.scalars(select(Chunk.id).where(Chunk.run_id == run_id)))
-        ended = {st: s.scalars(select(Chunk).where(Chunk.run_id == run_id, Chunk.status == st)).all()
+        ids = list(s.scalars(select(Chunk.id).where(Chunk.run_id == run_id).order_by(Chunk.id)))
+        ended = {st: s.scalars(select(Chunk).where(Chunk.run_id == run_id, Chunk.status == st)
+                               .order_by(Chunk.document_id, Chunk.first_page)).all()  # PostgreSQL keeps no order
                  for st in (ChunkStatus.FAILED, ChunkStatus.CANCELLED)}
     failed = [f"pages {c.first_page}-{c.last_page} of document {c.document_id}: {c.last_error}"
               for c in ended[ChunkStatus.FAILED]]

@@ -1,6 +1,7 @@
 """What the ledger holds: counts by state, the documents waiting with their pages decoded so far, the pages left and
 when they should be done at the open runs' pace, the open runs and who holds the running chunks (and until when;
-whether that process is gone), and the failures with their reasons. It only reads: closing what a gone process
+whether that process is gone), the failures with their reasons, and (added by the CLI from ingest.health) the
+trouble the watchers of this machine have with the ledger or the machine. It only reads: closing what a gone process
 left is the next worker's job (ingest.worker)."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from sqlalchemy import func, select
 
 from db.models import Chunk, ChunkStatus, DocStatus, Document, Duplicate, Page, Rejected, Run
 from db.session import Database
+from ingest.health import format_trouble
 from ingest.owners import is_gone
 
 
@@ -96,6 +98,7 @@ def format_status(st: dict[str, Any]) -> str:
         f"documents: {st['documents']['total']} ({counts(st['documents'])}), {st['pages']} pages",
         f"chunks:    {st['chunks']['total']} ({counts(st['chunks'])})",
         f"duplicates: {st['duplicates']}   rejected files: {st['rejected']}",
+        *format_trouble(st.get("infrastructure") or []),  # the watchers' trouble with the ledger or the machine
     ]
     for d in st["waiting_documents"]:
         lines.append(f"waiting:   #{d['id']} {d['name']}: {d['pages_decoded']}/{d['page_count']} pages decoded "

@@ -6,6 +6,11 @@ time) stays in the inbox and is looked at again (every ``RECHECK_SECONDS`` at mo
 ``incomplete_grace_seconds`` after its last change. Every failure is contained to its file: the watcher logs
 it and goes on. Folders inside the inbox and hidden or temporary names are not taken; each is named once in the
 log, so nothing is ignored unseen.
+
+An error of the ledger or of the machine (ingest.errors.infrastructure_problem: the database unreachable or locked,
+a disk full) is not the file's fault: the file stays in the inbox untouched and is not counted against it, and the
+watcher pauses its intake with a growing backoff (ingest.health), saying so loudly, until a try works again.
+Only errors of the file itself, ``MAX_ERRORS`` times, get it refused.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from watchdog.observers.polling import PollingObserver
 
 from db.session import Database
 from ingest.config import Settings
+from ingest.errors import infrastructure_problem
 from ingest.files import can_open_exclusively, is_ignored_name
+from ingest.health import Trouble
 from ingest.intake import IntakeResult, intake_file, reject
 
 
@@ -58,9 +65,15 @@ class InboxWatcher:
     _events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     _last_rescan: float = 0.0
     _told: set = field(default_factory=set)  # paths already named in the log as skipped or incomplete
+    trouble: Trouble | None = None  # the ledger's or the machine's trouble, if any (made from the settings)
+    _paused_until: float = 0.0  # no intake before this (monotonic): backing off from that trouble
 
     MAX_ERRORS = 5
     RECHECK_SECONDS = 30.0
+
+    def __post_init__(self) -> None:
+        if self.trouble is None:
+            self.trouble = Trouble(self.settings.logs, "intake")
 
     @property
     def inbox(self) -> Path:
@@ -130,7 +143,8 @@ class InboxWatcher:
         return sorted(ready, key=lambda p: (self._pending[p].stable_since, p.name))
 
     def take(self, path: Path) -> IntakeResult | None:
-        """Intake one settled file; any unexpected error is contained and retried a few times."""
+        """Intake one settled file; any unexpected error is contained and retried a few times. An error of the ledger
+        or of the machine is not counted against the file: it waits in the inbox while the intake backs off."""
         c = self._pending[path]
         try:
             if not self.matches_patterns(path):
@@ -140,6 +154,11 @@ class InboxWatcher:
             else:
                 res = intake_file(self.db, self.settings, path, self.settings.watch.incomplete_grace_seconds)
         except Exception as e:  # never let one file stop the watcher
+            if self._infrastructure(path, e):
+                return None
+            if isinstance(e, FileNotFoundError) and not path.exists():  # moved away meanwhile (archived once done)
+                del self._pending[path]
+                return None
             c.errors += 1
             c.stable_since = time.monotonic()
             logger.opt(exception=c.errors == 1).error("intake of {} failed ({}x): {}", path.name, c.errors, e)
@@ -147,11 +166,15 @@ class InboxWatcher:
                 try:
                     res = reject(self.db, self.settings, path, f"intake failed {c.errors} times: {e}")
                 except Exception as e2:
+                    if self._infrastructure(path, e2):
+                        return None
                     logger.error("cannot reject {} either: {}; will retry at the next rescan", path.name, e2)
                     del self._pending[path]
                     return None
             else:
                 return None
+        if res.outcome not in ("known", "incomplete"):  # the ledger took a write: any trouble with it is over
+            self.trouble.ok()
         if res.outcome == "incomplete":  # left in the inbox: look again later (or sooner, if it changes)
             grace = self.settings.watch.incomplete_grace_seconds
             c.not_before = time.monotonic() + min(self.RECHECK_SECONDS, max(self.settings.watch.settle_seconds, grace))
@@ -163,12 +186,30 @@ class InboxWatcher:
             self.on_result(path, res)
         return res
 
+    def _infrastructure(self, path: Path, e: BaseException) -> bool:
+        """True when ``e`` is the ledger's or the machine's trouble: the file stays pending (tried after the others
+        that are ready), and intake pauses for the backoff."""
+        problem = infrastructure_problem(e)
+        if problem is None:
+            return False
+        if path in self._pending:
+            self._pending[path].stable_since = time.monotonic()
+        self._paused_until = time.monotonic() + self.trouble.failed(f"cannot take {path.name} in: {problem}")
+        return True
+
     def poll(self) -> list[IntakeResult]:
-        """One tick: events, rescan when due, intake of every settled file."""
+        """One tick: events, rescan when due, intake of every settled file (none while backing off from trouble with
+        the ledger or the machine)."""
         self._drain_events()
         if time.monotonic() - self._last_rescan >= self.settings.watch.rescan_seconds:
             self.rescan()
-        return [r for p in self.settled() if (r := self.take(p)) is not None]
+        results = []
+        for p in self.settled():
+            if time.monotonic() < self._paused_until:
+                break
+            if (r := self.take(p)) is not None:
+                results.append(r)
+        return results
 
     def start_observer(self):  # noqa: ANN201
         obs = PollingObserver(timeout=1.0) if self.settings.watch.polling else Observer()

@@ -18,6 +18,11 @@ open run. A worker given ``document_ids`` (``uflash run FILE...``)
 claims and finishes only those documents. A re-run worker (``fresh_run``) claims only the chunks reserved for
 its run (queued with that run_id; chunks it splits off stay reserved), with the earlier output of the same pages
 as its draft, and rewrites the document outputs.
+
+An error of the ledger or of the machine (ingest.errors.infrastructure_problem: the database gone or locked, a disk
+full) fails no chunk and no document: the worker keeps its decoded result and stores it once the ledger takes it (the
+lease decides, as always, that it is stored once), gives back a chunk it could not go on with (its attempt not
+counted), and waits with a growing backoff (ingest.health), saying so loudly, until the ledger works again.
 """
 
 from __future__ import annotations
@@ -44,8 +49,9 @@ from engine.chunk_decode import ChunkDecoder, ChunkOutput
 from engine.model import ModelLoadError, ModelNotFound
 from engine.quality import grade_document, page_quality
 from ingest.config import Settings
-from ingest.errors import UflashError
+from ingest.errors import InfrastructureError, UflashError, infrastructure_problem
 from ingest.files import file_away, sha256_file
+from ingest.health import Trouble
 from ingest.intake import intake_file
 from ingest.orientation import TurnChoice, choose_turn, decoder_probe, turn
 from ingest.outputs import holds_another_document, output_folder, page_markdown, write_document_outputs
@@ -84,6 +90,13 @@ class Worker:
     _waiting_on: frozenset[str] = frozenset()  # owners of the leases the last idle poll found (logged once)
     # (document, page) -> the turn chosen for a page that was probed: a chunk cut and re-queued does not probe it again
     _turns: dict[tuple[int, int], TurnChoice] = field(default_factory=dict)
+    trouble: Trouble | None = None  # the ledger's or the machine's trouble, if any (made from the settings)
+    _held: Claim | None = None  # the chunk in hand, while it is processed
+    _stop: threading.Event | None = None  # serve()'s stop event
+
+    def __post_init__(self) -> None:
+        if self.trouble is None:
+            self.trouble = Trouble(self.settings.logs, "worker")
 
     # -- model and run ---------------------------------------------------------------------------
     def decoder(self) -> ChunkDecoder:
@@ -112,10 +125,11 @@ class Worker:
         """Close this worker's run (``finished_at``), if it opened one, and return its id. Work after this
         opens a new run. A re-run stopped before its end cancels the chunks still reserved for it (db.runs) and
         rewrites the outputs of the documents it re-decoded pages of."""
-        run_id, self._run_id = self._run_id, None
+        run_id = self._run_id
         if run_id is not None:
             with self.db.engine.begin() as conn:
                 docs = close_run(conn, run_id)
+            self._run_id = None  # only once closed: a ledger that failed to close it is asked again
             if docs:
                 logger.warning("run {} stopped before it finished: its chunks left in {} document(s) are cancelled; "
                                "`uflash rerun` again picks their pages", run_id, len(docs))
@@ -151,24 +165,50 @@ class Worker:
 
     # -- the loop --------------------------------------------------------------------------------
     def serve(self, stop: threading.Event, until: Callable[[], bool] | None = None) -> None:
-        """Claim and run chunks until ``stop`` is set (or ``until()`` says the wanted work is done)."""
-        w = self.settings.worker
-        self.finalize_ready()
+        """Claim and run chunks until ``stop`` is set (or ``until()`` says the wanted work is done). Trouble with the
+        ledger or the machine is waited out with a growing backoff; the chunk in hand then is given back (not
+        counted as an attempt) once the ledger works again, unless it was stored."""
+        self._stop = stop
+        first = True
         while not stop.is_set():
-            if until is not None and until():
-                return
-            self.end_what_the_gone_left()
-            c = claim(self.db, self.owner, w.lease_seconds, w.max_attempts,
-                      run_id=self.run_id() if self.fresh_run is not None else None, document_ids=self.document_ids)
-            if c is None:
-                self._log_leased()
-                self.finalize_ready()
-                if self.on_idle is not None:
-                    self.on_idle()
-                stop.wait(w.poll_seconds)
-                continue
-            self._waiting_on = frozenset()
-            self.process(c)
+            try:
+                if self._held is not None:  # left in hand by trouble with the ledger
+                    if release(self.db, self._held):
+                        logger.info("chunk {} given back to the queue: it is decoded again", self._held.chunk_id)
+                    self._held = None
+                if first:
+                    self.finalize_ready()
+                    first = False
+                if self._step(stop, until):
+                    return
+                self.trouble.ok()
+            except Exception as e:
+                problem = infrastructure_problem(e)
+                if problem is None:
+                    raise
+                stop.wait(self.trouble.failed(problem))
+
+    def _step(self, stop: threading.Event, until: Callable[[], bool] | None) -> bool:
+        """One turn of the loop: claim and process a chunk, or wait a poll. True when ``until()`` holds."""
+        w = self.settings.worker
+        if until is not None and until():
+            return True
+        self.end_what_the_gone_left()
+        c = claim(self.db, self.owner, w.lease_seconds, w.max_attempts,
+                  run_id=self.run_id() if self.fresh_run is not None else None, document_ids=self.document_ids)
+        if c is None:
+            self._log_leased()
+            self.finalize_ready()
+            if self.on_idle is not None:
+                self.on_idle()
+            self.trouble.ok()
+            stop.wait(w.poll_seconds)
+            return False
+        self._waiting_on = frozenset()
+        self._held = c
+        self.process(c)
+        self._held = None
+        return False
 
     def _log_leased(self) -> None:
         """Say once per wait which other leases hold chunks this worker could take. A worker that crashed keeps
@@ -204,6 +244,10 @@ class Worker:
         if doc.archived_path and Path(doc.archived_path).exists():
             path = Path(doc.archived_path)  # a re-run of a finished document reads the archived original
         if not path.exists():
+            if not path.parent.is_dir():  # not the file: its folder is not reachable from here (a share not mounted)
+                raise InfrastructureError(f"the folder {path.parent} of {doc.original_name} cannot be reached from "
+                                          f"this machine (every worker needs the inbox and the archive at the same "
+                                          f"path; `uflash check`)")
             fail(self.db, c, f"original file is gone: {path}", w.max_attempts, w.backoff_seconds, permanent=True)
             logger.error("{}: original file is gone ({})", label, path)
             return
@@ -213,6 +257,8 @@ class Worker:
             pages = render_pages(path, doc.kind, c.first_page, c.last_page,
                                  max_page_pixels=self.settings.watch.max_page_pixels)
         except Exception as e:
+            if infrastructure_problem(e):  # the disk or the share, not the file: the chunk goes back, nothing fails
+                raise
             fail(self.db, c, f"cannot render: {type(e).__name__}: {e}", w.max_attempts, w.backoff_seconds,
                  permanent=True)
             logger.error("{}: cannot render: {}", label, e)
@@ -304,6 +350,8 @@ class Worker:
 
     def _decode_failed(self, c: Claim, label: str, e: Exception) -> None:
         w = self.settings.worker
+        if infrastructure_problem(e):  # e.g. the ledger failed while reading the drafts: no attempt is spent on it
+            raise e
         if _is_oom(e):
             self.decoder().free_memory()
             n = c.last_page - c.first_page + 1
@@ -371,21 +419,30 @@ class Worker:
                    "length": "output reached engine.max_tokens_per_page x pages; "}.get(out.finish_reason, "")
             note = (note + "; " if note else "") + why + "pages " + \
                 ", ".join(f"{a}-{b}" for a, b in new_chunks) + " re-queued"
-        try:
-            with self.db.engine.begin() as conn:
-                if not complete(conn, c, status=status, note=note, stats=out.chunk_stats, run_id=run_id,
-                                output_ids=out.output_ids):
-                    raise _LeaseLost
-                if rows:
-                    conn.execute(Page.__table__.insert(), rows)
-                if new_chunks:
-                    conn.execute(Chunk.__table__.insert(), [
-                        dict(document_id=c.document_id, first_page=a, last_page=b, parent_id=c.chunk_id,
-                             run_id=self._reserved()) for a, b in new_chunks])
-                ready = refresh_document(conn, c.document_id) == "ready"
-        except _LeaseLost:
-            logger.warning("{}: lease lost before storing; dropping the result", label)
-            return
+        while True:  # the decoded result is kept while the ledger is in trouble, and stored once it works again
+            try:
+                with self.db.engine.begin() as conn:
+                    if not complete(conn, c, status=status, note=note, stats=out.chunk_stats, run_id=run_id,
+                                    output_ids=out.output_ids):
+                        raise _LeaseLost
+                    if rows:
+                        conn.execute(Page.__table__.insert(), rows)
+                    if new_chunks:
+                        conn.execute(Chunk.__table__.insert(), [
+                            dict(document_id=c.document_id, first_page=a, last_page=b, parent_id=c.chunk_id,
+                                 run_id=self._reserved()) for a, b in new_chunks])
+                    ready = refresh_document(conn, c.document_id) == "ready"
+                break
+            except _LeaseLost:  # taken over by another worker (or stored by this one before the ledger failed)
+                logger.warning("{}: lease lost before storing; dropping the result", label)
+                return
+            except Exception as e:
+                problem = infrastructure_problem(e)
+                if problem is None or self._stop is None or self._stop.is_set():
+                    raise
+                if self._stop.wait(self.trouble.failed(f"cannot store {label}: {problem}")):
+                    raise
+        self.trouble.ok()
         s = out.chunk_stats
         logger.info("{}: {} pages, {} tokens in {:.1f}s ({:.1f} tok/s), finish {}{}", label, len(rows),
                     s.get("output_tokens", 0), s.get("seconds", 0.0), s.get("tokens_per_second", 0.0),
@@ -441,7 +498,9 @@ class Worker:
             folder = self._output_folder(doc)
             md, _ = write_document_outputs(folder, document, run, page_dicts, source=scan,
                                            formats=self.settings.outputs.formats)
-        except OSError as e:  # a file in the way, disk full, access denied, a name or path the OS refuses
+        except OSError as e:  # a file in the way, access denied, a name or path the OS refuses
+            if infrastructure_problem(e):  # a full or failing disk: the document waits, finished once it is fixed
+                raise
             return self._not_finished(doc, f"outputs could not be written: {e}")
         archived = None
         src = Path(doc.original_path)
@@ -452,6 +511,8 @@ class Worker:
             try:
                 archived = file_away(src, self.settings.archive, self.settings.inbox)
             except OSError as e:
+                if infrastructure_problem(e):
+                    raise
                 return self._not_finished(doc, f"outputs written to {folder}, but the original could not be "
                                                f"archived: {e}", folder)
         else:

@@ -1,11 +1,15 @@
-"""Shared test helpers: real config files, real SQLite files, real PDFs and images made with pymupdf/PIL."""
+"""Shared test helpers: real config files, real ledgers (a SQLite file, or a database on a real PostgreSQL server),
+real PDFs and images made with pymupdf/PIL."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -37,7 +41,7 @@ def write_config(folder: Path, **sections: dict) -> Path:
     """A config.toml in ``folder`` with var/ folders inside it, plus the given section overrides."""
     base = {
         "folders": {"inbox": "inbox", "outbox": "outbox", "archive": "archive", "failed": "failed", "logs": "logs"},
-        "database": {"url": "sqlite:///uflash.db"},
+        "database": {"url": SQLITE_URL},
         "watch": {"settle_seconds": 1.0, "rescan_seconds": 2.0},
         "worker": {"lease_seconds": 5.0, "heartbeat_seconds": 1.0, "backoff_seconds": 0.0, "poll_seconds": 0.2},
     }
@@ -52,9 +56,46 @@ def write_config(folder: Path, **sections: dict) -> Path:
     return cfg
 
 
+SQLITE_URL = "sqlite:///uflash.db"  # write_config's default: a file beside the config
+_databases = itertools.count(1)
+
+
+@pytest.fixture(scope="session")
+def pg_server():
+    """One throw-away PostgreSQL server for the whole session (tests/pg_server.py); each test gets its own database
+    on it (``ledger_url``)."""
+    from tests.pg_server import start_postgres
+
+    server = start_postgres(Path(tempfile.mkdtemp(prefix="uflash-pg-")), max_connections=200)
+    if server is None:
+        pytest.skip("PostgreSQL server binaries not installed (.ci/run installs them)")
+    yield server
+    server.stop()
+    shutil.rmtree(server.folder, ignore_errors=True)
+
+
+def fresh_pg_database(server) -> tuple[str, str]:  # noqa: ANN001
+    """(name, URL) of a new empty database on ``server``."""
+    name = f"uflash_test_{os.getpid()}_{next(_databases)}"
+    return name, server.create_database(name)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def ledger_url(request) -> str:
+    """The ledger a test runs on, for ``database.url``: a SQLite file beside the config, or a fresh database on the
+    session's PostgreSQL server (dropped after the test)."""
+    if request.param == "sqlite":
+        yield SQLITE_URL
+        return
+    server = request.getfixturevalue("pg_server")
+    name, url = fresh_pg_database(server)
+    yield url
+    server.drop_database(name)
+
+
 @pytest.fixture
-def config_path(tmp_path: Path) -> Path:
-    return write_config(tmp_path)
+def config_path(tmp_path: Path, ledger_url: str) -> Path:
+    return write_config(tmp_path, database={"url": ledger_url})
 
 
 @pytest.fixture

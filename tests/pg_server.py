@@ -34,17 +34,44 @@ class PgServer:
     folder: Path
     port: int
     as_user: list[str]
+    max_connections: int = 50
 
     @property
     def url(self) -> str:
-        return f"postgresql+psycopg://postgres@/postgres?host={self.folder}&port={self.port}"
+        return self.url_of("postgres")
+
+    def url_of(self, database: str) -> str:
+        return f"postgresql+psycopg://postgres@/{database}?host={self.folder}&port={self.port}"
+
+    def start(self) -> None:
+        """Start the server (again, after ``stop``) on its folder and port."""
+        opts = (f"-p {self.port} -k {self.folder} -c listen_addresses='' -c fsync=off "
+                f"-c max_connections={self.max_connections}")
+        subprocess.run([*self.as_user, _bin("pg_ctl"), "-D", str(self.folder / "data"), "-o", opts,
+                        "-l", str(self.folder / "log"), "-w", "start"], check=True, capture_output=True, timeout=120)
 
     def stop(self) -> None:
         subprocess.run([*self.as_user, _bin("pg_ctl"), "-D", str(self.folder / "data"), "-m", "immediate", "stop"],
                        capture_output=True, timeout=60)
 
+    def _admin(self, sql: str) -> None:
+        import psycopg
 
-def start_postgres(folder: Path) -> PgServer | None:
+        with psycopg.connect(host=str(self.folder), port=self.port, user="postgres", dbname="postgres",
+                             autocommit=True) as conn:
+            conn.execute(sql)
+
+    def create_database(self, name: str) -> str:
+        """A new empty database on this server; returns its URL."""
+        self._admin(f'CREATE DATABASE "{name}"')
+        return self.url_of(name)
+
+    def drop_database(self, name: str) -> None:
+        """Drop the database, ending the connections still open to it."""
+        self._admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def start_postgres(folder: Path, max_connections: int = 50) -> PgServer | None:
     initdb, pg_ctl = _bin("initdb"), _bin("pg_ctl")
     if not initdb or not pg_ctl:
         return None
@@ -61,8 +88,6 @@ def start_postgres(folder: Path) -> PgServer | None:
     data = folder / "data"
     subprocess.run([*as_user, initdb, "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8"],
                    check=True, capture_output=True, timeout=120)
-    port = _free_port()
-    opts = f"-p {port} -k {folder} -c listen_addresses='' -c fsync=off -c max_connections=50"
-    subprocess.run([*as_user, pg_ctl, "-D", str(data), "-o", opts, "-l", str(folder / "log"), "-w", "start"],
-                   check=True, capture_output=True, timeout=120)
-    return PgServer(folder, port, as_user)
+    server = PgServer(folder, _free_port(), as_user, max_connections)
+    server.start()
+    return server

@@ -3,9 +3,7 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 from sqlalchemy import func, select
@@ -15,32 +13,12 @@ from db.queue import claim, complete, end_leases_of_gone_owners, fail, heartbeat
 from db.session import Database
 from ingest.owners import is_gone, this_process
 from tests.conftest import ROOT
-from tests.pg_server import start_postgres
 
 
-@pytest.fixture(scope="module")
-def pg_server():
-    server = start_postgres(Path(tempfile.mkdtemp(prefix="uflash-pg-")))
-    if server is None:
-        pytest.skip("PostgreSQL server binaries not installed (.ci/run installs them)")
-    yield server
-    server.stop()
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def any_db(request, tmp_path):
-    """The same queue tests on a SQLite file and on a real PostgreSQL server."""
-    if request.param == "sqlite":
-        d = Database(f"sqlite:///{tmp_path / 'q.db'}")
-    else:
-        d = Database(request.getfixturevalue("pg_server").url)
-        from db.models import Base
-
-        Base.metadata.drop_all(d.engine)
-        d.dispose()
-        d = Database(request.getfixturevalue("pg_server").url)
-    yield d
-    d.dispose()
+@pytest.fixture
+def any_db(db):
+    """The same queue tests on a SQLite file and on a real PostgreSQL server (conftest.ledger_url)."""
+    return db
 
 
 def add_document(db, n_chunks: int, name: str = "doc.pdf") -> int:
@@ -264,7 +242,7 @@ def test_a_version_1_ledger_is_migrated_to_run_owners_and_ends(any_db):
     again = Database(url)
     try:
         with again.session() as s:
-            assert s.scalar(select(func.max(SchemaVersion.version))) == SCHEMA_VERSION == 2
+            assert s.scalar(select(func.max(SchemaVersion.version))) == SCHEMA_VERSION == 3
             runs = s.scalars(select(Run).order_by(Run.id)).all()
         assert [(r.owner, r.end_reason) for r in runs] == [("host:1", "closed"), ("host:2", None)]
     finally:

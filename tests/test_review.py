@@ -23,7 +23,7 @@ from ingest.config import load_settings
 from ingest.intake import intake_file
 from ingest.report import collect_report, render_html
 from ingest.worker import Worker
-from tests.conftest import make_pdf, serve_until, uflash, worker_config
+from tests.conftest import SQLITE_URL, fresh_pg_database, make_pdf, serve_until, uflash, worker_config
 
 PAGES = ["Register of deeds. Entry one, 1851.", "Entry two: a parish record.", "Entry three, the index."]
 
@@ -32,17 +32,19 @@ def _doc(folder: Path) -> dict:
     return json.loads((folder / "document.json").read_text(encoding="utf-8"))
 
 
-@pytest.fixture(scope="module")
-def review(tmp_path_factory, tiny_model_dir):
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def review(request, tmp_path_factory, tiny_model_dir):
     """Folder A: `uflash run --mode fast`, then `uflash rerun --mode lossless --grade poor`.
-    Folder B: a first `uflash run --mode lossless` of the same PDF (the text a re-run must equal)."""
+    Folder B: a first `uflash run --mode lossless` of the same PDF (the text a re-run must equal).
+    Each folder's ledger: a SQLite file, or a database on the session's PostgreSQL server."""
     root = tmp_path_factory.mktemp("review")
     out = {}
     for name, mode in (("fast", "fast"), ("lossless", "lossless")):
         folder = root / name
         folder.mkdir()
+        url = SQLITE_URL if request.param == "sqlite" else fresh_pg_database(request.getfixturevalue("pg_server"))[1]
         cfg = worker_config(folder, tiny_model_dir, engine={"max_tokens_per_page": 40, "max_pages_per_chunk": 3,
-                                                            "fast_threshold": 0.01})
+                                                            "fast_threshold": 0.01}, database={"url": url})
         s = load_settings(cfg)
         s.ensure_folders()
         pdf = make_pdf(s.inbox / "deeds.pdf", PAGES)
@@ -268,13 +270,13 @@ def test_page_cut_at_the_context_limit_is_graded_poor(tmp_path, tiny_model_dir):
     assert len(q) > 5 and q["tokens"] == page.stats["tokens"]
 
 
-def test_report_of_a_run_covers_its_own_pages_only(tmp_path, tiny_model_dir):
+def test_report_of_a_run_covers_its_own_pages_only(tmp_path, tiny_model_dir, ledger_url):
     """Workers one after the other on one ledger: each opens its own run, never one left open by a worker that
     stopped without closing it (a crash); a worker limited to some documents leaves the others queued; the report
     of a run (table data and HTML thumbnails) holds that run's pages only, and the default is the latest run."""
     from ingest.report import write_html_report
 
-    cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_tokens_per_page": 8})
+    cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_tokens_per_page": 8}, database={"url": ledger_url})
     s = load_settings(cfg)
     s.ensure_folders()
     db = Database(s.database_url)

@@ -91,9 +91,10 @@ def test_200_files_dropped_at_once_become_200_documents(tmp_path):
     assert "Traceback" not in out
 
 
-def test_watcher_survives_bad_files_and_duplicates(tmp_path):
+def test_watcher_survives_bad_files_and_duplicates(tmp_path, ledger_url):
     cfg = write_config(tmp_path, watch={"settle_seconds": 0.5, "rescan_seconds": 1.0, "max_page_pixels": 1_000_000,
-                                        "incomplete_grace_seconds": 2})  # truncated files: refused after 2 s
+                                        "incomplete_grace_seconds": 2},  # truncated files: refused after 2 s
+                       database={"url": ledger_url})
     settings = load_settings(cfg)
     proc = start_watch(cfg)
     try:
@@ -115,8 +116,8 @@ def test_watcher_survives_bad_files_and_duplicates(tmp_path):
         stop(proc)
 
 
-def test_restart_does_not_record_files_twice(tmp_path):
-    cfg = write_config(tmp_path, watch={"settle_seconds": 0.3, "rescan_seconds": 0.5})
+def test_restart_does_not_record_files_twice(tmp_path, ledger_url):
+    cfg = write_config(tmp_path, watch={"settle_seconds": 0.3, "rescan_seconds": 0.5}, database={"url": ledger_url})
     settings = load_settings(cfg)
     for i in range(5):
         make_pdf(settings.inbox / f"d{i}.pdf", [f"text {i}"])

@@ -45,8 +45,8 @@ def pages_in_db(db, doc_id):
                          .group_by(Page.page_index).order_by(Page.page_index)).all()
 
 
-def test_uflash_run_end_to_end(tmp_path, tiny_model_dir):
-    cfg = worker_config(tmp_path, tiny_model_dir)
+def test_uflash_run_end_to_end(tmp_path, tiny_model_dir, ledger_url):
+    cfg = worker_config(tmp_path, tiny_model_dir, database={"url": ledger_url})
     s = load_settings(cfg)
     s.ensure_folders()
     files = [make_pdf(s.inbox / "one.pdf", ["A single page."]), make_pdf(s.inbox / "seven.pdf", 7),
@@ -151,10 +151,10 @@ def serve_until_done(worker, db, timeout=300):
     serve_until(worker, done, timeout)
 
 
-def test_context_limit_loses_no_page(tmp_path, tiny_model_dir):
+def test_context_limit_loses_no_page(tmp_path, tiny_model_dir, ledger_url):
     # 3-page prompt = 1 + 3*21 + 5 tokens; a limit of 110 leaves ~40 output tokens for 3 pages.
     cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_tokens_per_page": None, "max_pages_per_chunk": 3,
-                                                          "default_tokens_per_page": 1})
+                                                          "default_tokens_per_page": 1}, database={"url": ledger_url})
     s = load_settings(cfg)
     s.ensure_folders()
     db = Database(s.database_url)
@@ -208,8 +208,9 @@ class FlakyDecoder:
         return self.inner.decode(images, context_limit, max_new_tokens, **hints)
 
 
-def test_out_of_memory_is_recorded_and_other_documents_go_on(tmp_path, tiny_model_dir):
-    cfg = worker_config(tmp_path, tiny_model_dir, worker={"max_attempts": 2, "backoff_seconds": 0.0})
+def test_out_of_memory_is_recorded_and_other_documents_go_on(tmp_path, tiny_model_dir, ledger_url):
+    cfg = worker_config(tmp_path, tiny_model_dir, worker={"max_attempts": 2, "backoff_seconds": 0.0},
+                        database={"url": ledger_url})
     s = load_settings(cfg)
     s.ensure_folders()
     db = Database(s.database_url)
@@ -285,11 +286,11 @@ def freeze_while(proc, db, holding) -> list:
     return running
 
 
-def test_worker_killed_mid_chunk_redoes_it_once(tmp_path, tiny_model_dir):
+def test_worker_killed_mid_chunk_redoes_it_once(tmp_path, tiny_model_dir, ledger_url):
     """A watcher killed outright (SIGKILL) mid-chunk: the restart takes the chunk over at once (its owner's process
     is gone), although the lease has most of its 300 s left, redoes it once, and closes the killed run as crashed."""
     cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_tokens_per_page": 100, "max_pages_per_chunk": 2},
-                        worker={"lease_seconds": 300.0, "heartbeat_seconds": 1.0})
+                        worker={"lease_seconds": 300.0, "heartbeat_seconds": 1.0}, database={"url": ledger_url})
     s = load_settings(cfg)
     s.ensure_folders()
     make_pdf(s.inbox / "four.pdf", 4)
@@ -334,13 +335,15 @@ def test_worker_killed_mid_chunk_redoes_it_once(tmp_path, tiny_model_dir):
 
 
 def _rerun_chunks(ss, run_id, status):
-    return ss.scalars(select(Chunk).where(Chunk.run_id == run_id, Chunk.status == status)).all()
+    return ss.scalars(select(Chunk).where(Chunk.run_id == run_id, Chunk.status == status)
+                      .order_by(Chunk.first_page)).all()
 
 
-def _rerun_frozen(tmp_path, tiny_model_dir, pages_stored):
+def _rerun_frozen(tmp_path, tiny_model_dir, pages_stored, ledger_url):
     """six.pdf decoded by `uflash run` (run 1, a chunk per page), then `uflash rerun --doc 1` started and frozen
     while it holds a chunk, once it stored ``pages_stored`` pages (run 2). Returns (cfg, settings, db, proc)."""
-    cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_tokens_per_page": 100, "max_pages_per_chunk": 1})
+    cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_tokens_per_page": 100, "max_pages_per_chunk": 1},
+                        database={"url": ledger_url})
     s = load_settings(cfg)
     s.ensure_folders()
     r = uflash("--config", str(cfg), "run", str(make_pdf(s.inbox / "six.pdf", 6)), timeout=600)
@@ -352,12 +355,13 @@ def _rerun_frozen(tmp_path, tiny_model_dir, pages_stored):
     return cfg, s, db, proc
 
 
-def test_a_rerun_killed_mid_way_is_closed_and_the_next_rerun_finishes_the_document(tmp_path, tiny_model_dir):
+def test_a_rerun_killed_mid_way_is_closed_and_the_next_rerun_finishes_the_document(tmp_path, tiny_model_dir,
+                                                                                   ledger_url):
     """`uflash rerun` killed (SIGKILL) after re-decoding two pages: its chunks stay reserved for a run nobody will
     continue. Before, they stayed pending for ever, and a later re-run of the same pages decoded them all but never
     rewrote the document (a pending chunk kept it from being finished). Now the next worker closes the killed run
     as crashed, cancels what it left (kept, with a note), and the document outputs show every page's latest text."""
-    cfg, s, db, proc = _rerun_frozen(tmp_path, tiny_model_dir, pages_stored=2)
+    cfg, s, db, proc = _rerun_frozen(tmp_path, tiny_model_dir, pages_stored=2, ledger_url=ledger_url)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
     with db.session() as ss:
@@ -387,11 +391,12 @@ def test_a_rerun_killed_mid_way_is_closed_and_the_next_rerun_finishes_the_docume
     assert "open:" not in st and "running:" not in st and "cancelled" in st, st
 
 
-def test_a_rerun_stopped_by_a_signal_cancels_what_it_left_and_rewrites_the_document(tmp_path, tiny_model_dir):
+def test_a_rerun_stopped_by_a_signal_cancels_what_it_left_and_rewrites_the_document(tmp_path, tiny_model_dir,
+                                                                                    ledger_url):
     """SIGTERM during `uflash rerun`: the chunk in hand is finished, the rest is cancelled (not left reserved for a
     closed run), the command says which pages were not re-run and exits 130, and the document shows the pages it
     did re-run."""
-    cfg, s, db, proc = _rerun_frozen(tmp_path, tiny_model_dir, pages_stored=1)
+    cfg, s, db, proc = _rerun_frozen(tmp_path, tiny_model_dir, pages_stored=1, ledger_url=ledger_url)
     os.kill(proc.pid, signal.SIGTERM)
     os.kill(proc.pid, signal.SIGCONT)
     assert proc.wait(timeout=120) == 130, "".join(proc.lines)
@@ -509,12 +514,12 @@ def test_original_that_cannot_be_archived_fails_that_document(tmp_path, tiny_mod
     serve_until_done(Worker(s, db, lambda: None), db)  # a restart leaves it failed, without touching the model
 
 
-def test_worker_says_once_whose_lease_it_waits_for(tmp_path):
+def test_worker_says_once_whose_lease_it_waits_for(tmp_path, ledger_url):
     """A chunk held by another (e.g. a crashed) worker's lease: the idle worker logs the owner and the expiry once
     per wait, not at every poll, and again when a new wait begins."""
     from loguru import logger
 
-    s = load_settings(write_config(tmp_path, worker={"poll_seconds": 0.05}))
+    s = load_settings(write_config(tmp_path, worker={"poll_seconds": 0.05}, database={"url": ledger_url}))
     s.ensure_folders()
     db = Database(s.database_url)
     intake_file(db, s, make_pdf(s.inbox / "held.pdf", 1))
@@ -556,12 +561,13 @@ def pages_of_run(db, run_id):
                           .order_by(Page.document_id, Page.page_index)).all()
 
 
-def test_run_decodes_only_the_named_files_and_each_run_is_its_own(tmp_path, tiny_model_dir):
+def test_run_decodes_only_the_named_files_and_each_run_is_its_own(tmp_path, tiny_model_dir, ledger_url):
     """A 5-page document queued earlier (here: from a shelf outside the inbox, as an interrupted `uflash run` leaves
     it) and `uflash run small.pdf`: only small.pdf is decoded, the progress bar counts its one page, the backlog
     stays queued untouched and is named. Then `uflash run` with no files and an empty inbox takes the backlog, in a
     second run; each run is closed and its report shows its own pages only; a third finds nothing to do."""
-    cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_pages_per_chunk": 2, "max_tokens_per_page": 8})
+    cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_pages_per_chunk": 2, "max_tokens_per_page": 8},
+                        database={"url": ledger_url})
     s = load_settings(cfg)
     s.ensure_folders()
     db = Database(s.database_url)
@@ -606,10 +612,10 @@ def test_run_decodes_only_the_named_files_and_each_run_is_its_own(tmp_path, tiny
     assert "report  " not in r.stdout and len(runs_in_db(db)) == 2  # nothing decoded: no run, no report
 
 
-def test_each_watch_process_is_its_own_run_closed_on_sigterm_and_sigint(tmp_path, tiny_model_dir):
+def test_each_watch_process_is_its_own_run_closed_on_sigterm_and_sigint(tmp_path, tiny_model_dir, ledger_url):
     """Two `uflash watch` processes one after the other, each given one file: two runs, each closed when its
     process stops (SIGTERM, then SIGINT), each holding its own document's pages only."""
-    cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_tokens_per_page": 8})
+    cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_tokens_per_page": 8}, database={"url": ledger_url})
     s = load_settings(cfg)
     s.ensure_folders()
     db = Database(s.database_url)
@@ -766,11 +772,11 @@ def test_a_runaway_page_goes_back_alone_and_its_neighbours_are_decoded_once(tmp_
     assert split.note == "output reached the context limit; pages 3-3, 4-6 re-queued"
 
 
-def test_a_rerun_rewrites_the_outputs_where_the_document_was_written(tmp_path, tiny_model_dir):
+def test_a_rerun_rewrites_the_outputs_where_the_document_was_written(tmp_path, tiny_model_dir, ledger_url):
     """`uflash run --out DIR`, then `uflash rerun`: the re-run rewrites DIR/<stem>, not a second copy in the outbox
     (before, the outbox got the new text and DIR kept the old). When that folder's parent is gone, or another
     document has taken the folder, a folder of its own in the outbox."""
-    cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_tokens_per_page": 8})
+    cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_tokens_per_page": 8}, database={"url": ledger_url})
     s = load_settings(cfg)
     s.ensure_folders()
     out = tmp_path / "share"
