@@ -3,7 +3,7 @@
     python -m scripts.train.demo --out models/demo --minutes 8          # GPU run (see docs/demo_model_training.md)
     python -m scripts.train.demo --overfit-test                         # CPU: 8 word images must be read
     python -m scripts.train.demo --check-rswa                           # R-SWA scoring == generate()
-    python -m scripts.train.demo --preset tiny --minutes 1 --out /tmp/d # CPU pipeline smoke run
+    python -m scripts.train.demo --preset tiny --minutes 1 --out /tmp/d --align 1:2:here,2:2:next  # CPU smoke run
 
 Recipe (DESIGN section 3): the vision tower is initialised normally (not SAM's 1e-10 default) and kept frozen at
 its random init for the first `--freeze-frac` of the time (default 10%) while the decoder and projector learn to
