@@ -3,7 +3,7 @@ pages upright, turned a quarter each way and upside down, each through `choose_t
 worker makes them. Prints a table (per way the page came: looked at, turned right, turned wrong, left) and ends
 with one JSON line.
 
-    python scripts/eval_orientation.py --model models/demo --pages 24 [--samples ../shared/samples/real]
+    python -m scripts.eval.orientation --model models/demo --pages 24 [--samples ../shared/samples/real]
 
 --samples: also the stripe ratio and ragged edges of every page of the real sample files (no model): which ones
 would be probed. The record also has the stripe ratios of 15 born-digital list pages (2-14 words a line, 8-34
@@ -19,10 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.chunk_decode import load_decoder  # noqa: E402
-from ingest.orientation import (  # noqa: E402
+from engine.chunk_decode import load_decoder
+from ingest.orientation import (
     OrientationConfig,
     choose_turn,
     decoder_probe,
