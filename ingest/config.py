@@ -59,13 +59,15 @@ class EngineSettings(_Section):
 
 
 class Quality(_Section):
-    """Grading thresholds (engine.quality.Thresholds documents each one); defaults are the dataclass's."""
+    """Grading thresholds (engine.quality.Thresholds documents each one; defaults are the dataclass's), and whether
+    pages caught by the checks are decoded again alone (ingest.repair)."""
 
-    __annotations__ = {f: type(v) for f, v in vars(Thresholds()).items()}
+    __annotations__ = {**{f: type(v) for f, v in vars(Thresholds()).items()}, "repair": bool}
     locals().update(vars(Thresholds()))
+    repair: bool = True
 
     def thresholds(self) -> Thresholds:
-        return Thresholds(**self.model_dump())
+        return Thresholds(**self.model_dump(exclude={"repair"}))
 
 
 class Orientation(_Section):

@@ -65,7 +65,7 @@ def collect_report(db: Database, run_id: int | None = None, grade: str | None = 
             "tau": st.get("tau"), "tokens": tokens, "seconds": seconds,
             "turned": page_turn(st),  # scanned sideways or upside down: read turned (degrees clockwise)
             "tokens_per_second": round(tokens / seconds, 2) if seconds else None,
-            "quality": q, "text": page.text})
+            "quality": q, "repair": st.get("repair"), "text": page.text})
     return {"run": {"id": run.id, "mode": run.mode, "model": run.model, "started_at": run.started_at.isoformat(),
                     "finished_at": run.finished_at.isoformat() if run.finished_at else None,
                     "end_reason": run.end_reason, "owner": run.owner, "settings": run.settings},
@@ -108,8 +108,17 @@ def format_report(rep: dict[str, Any]) -> str:
 
 
 def _remarks(page: dict[str, Any]) -> list[str]:
-    """The grade's reasons, and the turn of a page that was scanned sideways or upside down."""
-    return page["reasons"] + ([f"turned {page['turned']}"] if page.get("turned") else [])
+    """The grade's reasons, the turn of a page that was scanned sideways or upside down, and its repair."""
+    return page["reasons"] + ([f"turned {page['turned']}"] if page.get("turned") else []) + \
+        ([repair_note(page["repair"])] if page.get("repair") else [])
+
+
+def repair_note(rec: dict[str, Any]) -> str:
+    """A repair in plain words (ingest.repair's record)."""
+    why = ", ".join(rec.get("why") or rec.get("checks") or [])
+    if rec.get("kept") == "alone":
+        return f"repaired: {why}, read again alone"
+    return f"read again alone ({why}): the chunk's reading kept"
 
 
 def report_json(rep: dict[str, Any]) -> str:
