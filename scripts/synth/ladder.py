@@ -26,7 +26,7 @@ from scripts.synth.raster import _noise_field, render_long_side
 
 SIZES = (9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 16.0, 18.0, 20.0)
 FAMILIES = ("helv", "tiro", "cour")
-DENSITY = {"sparse": None, "normal": (200, 620), "dense": (650, 1200)}
+DENSITY = {"sparse": None, "normal": (200, 620), "dense": (500, 1000)}
 SCANS = {  # strength: (skew degrees, blur radius, noise sigma) drawn up to these
     "none": None,
     "light": (0.8, 0.6, 5.0),
