@@ -21,7 +21,8 @@ are bitwise those of the same chunk decoded alone (plain, batch 1), for both ker
 ``plain`` at batch ``--mem-batch`` for each ``--mem-tokens`` output length (R-SWA keeps it flat).
 
 Prints a table; the last line is one JSON object (also written to ``--json``). ``--tiny`` runs the tiny config on
-the CPU (a smoke test of this script).
+the CPU (a smoke test of this script). ``--model DIR --pages-dir PNGS`` measures a trained model on real pages
+instead (its drafts still come from ``--rates``; EOS ends a chunk where the model says so).
 
     python scripts/bench_engine.py --batch 1,8,32,64,128,256 --pages 1,4 --invariance 64 --json $OUT/bench_engine.json
     python scripts/bench_engine.py --tiny --batch 1,2 --pages 1 --tokens 24 --rates 10 --mem-tokens ""
@@ -187,7 +188,12 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def chunks_for(batch: int, pages: int) -> list[list[Page]]:
+PAGE_IMAGES: list = []  # --pages-dir: real page images, used in turn instead of random pages
+
+
+def chunks_for(batch: int, pages: int) -> list[list]:
+    if PAGE_IMAGES:
+        return [[PAGE_IMAGES[(b * pages + p) % len(PAGE_IMAGES)] for p in range(pages)] for b in range(batch)]
     return [[Page(1000 * b + p) for p in range(pages)] for b in range(batch)]
 
 
@@ -351,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path)
     ap.add_argument("--tiny", action="store_true", help="tiny config on the CPU (smoke test)")
+    ap.add_argument("--model", help="a trained model folder instead of the random full-size one (e.g. models/demo)")
+    ap.add_argument("--pages-dir", type=Path, help="PNG pages for --model (real pages; chunks take them in turn)")
     ap.add_argument("--batch", default="1,8,32,64,128,256")
     ap.add_argument("--pages", default="1,4")
     ap.add_argument("--tokens", type=int, default=512)
@@ -367,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k-max", type=int, default=16)
     ap.add_argument("--vision-group", type=int, default=8)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (a loaded CPU: 1)")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--plant", type=float, default=100.0)
     args = ap.parse_args(argv)
@@ -377,13 +386,22 @@ def main(argv: list[str] | None = None) -> int:
     args.rates = [int(r) for r in args.rates.split(",") if r]
     args.mem_tokens = [int(t) for t in args.mem_tokens.split(",") if t]
     args.invariance = [int(b) for b in args.invariance.split(",") if b]
-    if args.tiny:
-        torch.set_num_threads(2)
+    if args.threads or args.tiny:
+        torch.set_num_threads(args.threads or 2)
 
     def log(msg):
         print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", flush=True)
 
-    loaded, desc = build_model(args.tiny, args.device, dtype, plant=args.plant)
+    if args.model:
+        from PIL import Image
+
+        from engine.model import load_model
+
+        loaded = load_model(args.model, args.device, "bf16" if dtype == torch.bfloat16 else "fp32")
+        desc = {"params": sum(p.numel() for p in loaded.model.parameters()), "path": args.model}
+        PAGE_IMAGES.extend(Image.open(p).convert("RGB") for p in sorted(args.pages_dir.glob("*.png")))
+    else:
+        loaded, desc = build_model(args.tiny, args.device, dtype, plant=args.plant)
     log(f"model built: {desc}")
     report = {"benchmark": "bench_engine", "argv": sys.argv[1:] if argv is None else argv,
               "environment": environment(args.device), "model": {"name": loaded.name, **desc},

@@ -1,28 +1,57 @@
 #!/usr/bin/env bash
-# What a call to the GPU machine needs beside the tree, built into .dev/ (ignored through .git/info/exclude):
-# the wheels its image lacks (loguru, pymupdf, the ledger's sqlalchemy/pydantic/watchdog; transformers 5.24, the
-# first with Unlimited-OCR: the image has 5.17) for its Python 3.12, and the demo model as one xz archive. The tree travels with a 64 MiB limit and models/demo
-# alone is 51 MiB, so a call moves models/demo out of the tree first and carries .dev (see the printed recipe).
+# What a call to the GPU machine needs beside the tree, built into .dev/ (ignored through .git/info/exclude), for
+# its Python 3.12 image (torch, triton, Pillow, psutil present; transformers too old for Unlimited-OCR):
+#   site_core.tar.xz  transformers 5.24 cut to the model folders Unlimited-OCR imports, loguru, sqlalchemy, pydantic,
+#                     pydantic-settings, watchdog, pytest (~6 MB)
+#   site_pdf.tar.xz   pymupdf, for calls that render PDFs (the pipeline) (~18 MB)
+#   demo.tar.xz       models/demo with its drafter stored in bf16 for the trip (the engine casts it to the model's
+#                     dtype anyway) (~33 MB)
+# The tree travels with a 64 MiB limit and models/demo alone is 51 MiB: a call moves models/demo out of the tree
+# first and carries .dev (the recipe is printed at the end).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.dev/' .git/info/exclude 2>/dev/null || echo '/.dev/' >> .git/info/exclude
 mkdir -p .dev
-if [ ! -f .dev/site.tar.xz ]; then  # the wheels, unpacked and xz-compressed together (74 MB as wheels, too big)
-    tmp=$(mktemp -d)
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+download() {
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        --platform any -d "$tmp/wheels" loguru==0.7.3 pymupdf==1.26.7 transformers==5.24.0 sqlalchemy==2.0.44 \
-        pydantic==2.12.5 pydantic-core==2.41.5 pydantic-settings==2.12.0 python-dotenv==1.2.1 \
-        typing-inspection==0.4.2 annotated-types==0.7.0 watchdog==6.0.0
-    for w in "$tmp"/wheels/*.whl; do python3 -m zipfile -e "$w" "$tmp/site"; done
-    tar -cJf .dev/site.tar.xz -C "$tmp/site" .
-    rm -rf "$tmp"
+        --platform any -d "$tmp/wheels" "$@"
+}
+if [ ! -f .dev/site_core.tar.xz ]; then
+    download transformers==5.24.0 loguru==0.7.3 sqlalchemy==2.0.44 pydantic==2.12.5 pydantic-core==2.41.5 \
+        pydantic-settings==2.12.0 python-dotenv==1.2.1 typing-inspection==0.4.2 annotated-types==0.7.0 \
+        watchdog==6.0.0 pytest==8.4.2 pluggy==1.6.0 iniconfig==2.1.0
+    for w in "$tmp"/wheels/*.whl; do python3 -m zipfile -e "$w" "$tmp/core"; done
+    keep="auto unlimited_ocr deepseek_ocr2 got_ocr2 clip sam deepseek_v2 deepseek_v3 llama deepseek_vl
+          deepseek_vl_hybrid siglip qwen2 encoder_decoder"
+    for d in "$tmp"/core/transformers/models/*/; do
+        name=$(basename "$d"); case " $(echo $keep) " in *" $name "*) ;; *) rm -rf "$d" ;; esac
+    done
+    tar -cJf .dev/site_core.tar.xz -C "$tmp/core" .
+    rm -rf "$tmp/wheels"
 fi
-[ -f .dev/demo.tar.xz ] || tar -cJf .dev/demo.tar.xz -C models/demo .
-du -ch .dev/* | tail -n 1
+if [ ! -f .dev/site_pdf.tar.xz ]; then
+    download pymupdf==1.26.7
+    python3 -m zipfile -e "$tmp"/wheels/pymupdf-*.whl "$tmp/pdf"
+    tar -cJf .dev/site_pdf.tar.xz -C "$tmp/pdf" .
+fi
+if [ ! -f .dev/demo.tar.xz ]; then
+    cp -r models/demo "$tmp/demo"
+    python3 - "$tmp/demo/drafter/drafter.safetensors" <<'PY'
+import sys, torch
+from safetensors.torch import load_file, save_file
+path = sys.argv[1]
+save_file({k: v.to(torch.bfloat16) for k, v in load_file(path).items()}, path)
+PY
+    tar -cJf .dev/demo.tar.xz -C "$tmp/demo" .
+fi
+du -ch .dev/*.tar.xz | tail -n 1
 cat <<'RECIPE'
 Per call: here `mv models/demo /tmp/demo_hold` (back afterwards: `mv /tmp/demo_hold models/demo`), then run with
 carry [".dev"] and a command that starts:
-  mkdir -p /tmp/site models/demo && tar -xJf .dev/site.tar.xz -C /tmp/site &&
-  tar -xJf .dev/demo.tar.xz -C models/demo && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && ...
+  mkdir -p /tmp/site models/demo && tar -xJf .dev/site_core.tar.xz -C /tmp/site &&
+  tar -xJf .dev/site_pdf.tar.xz -C /tmp/site && tar -xJf .dev/demo.tar.xz -C models/demo &&
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && ...
 RECIPE

@@ -1,0 +1,131 @@
+"""Pages per hour through the whole pipeline: ``uflash run`` over synthetic documents, at each ``--max-batch``.
+
+Documents: ``--docs`` held-out synthetic PDFs (``scripts.synth.make_document``, seeds from ``--seed0`` below
+1,000,000) of ``--doc-pages`` pages each, image-only with ``--scan`` (no text layer: the block drafter's case).
+For each ``engine.max_batch`` in ``--max-batch`` (e.g. ``1,auto``) a fresh ledger, inbox and outbox, then one
+``uflash run`` of every document in a subprocess (model load, graph capture and every other one-off cost
+included), timed from the command's start to its exit. Reported per setting: wall seconds, pages, pages per hour,
+time to the first finished document (its ledger completion time after the command's start), output tokens,
+tokens per second of decoding, mean tau and the mean batch size pages were decoded in (``stats.batch_rows``).
+Prints a table; the last line is one JSON object (also written to ``--json``).
+
+    python scripts/bench_pipeline.py --docs 50 --doc-pages 4 --max-batch 1,auto --json $OUT/pipeline.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def write_documents(folder: Path, docs: int, pages: int, seed0: int, scan: bool) -> list[Path]:
+    from scripts.synth import HELD_OUT_LIMIT, make_document
+
+    if seed0 + docs > HELD_OUT_LIMIT:
+        raise SystemExit(f"held-out seeds must stay below {HELD_OUT_LIMIT:,}")
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for seed in range(seed0, seed0 + docs):
+        pdf, _ = make_document(seed, pages, scan=scan)
+        path = folder / f"doc-{seed}.pdf"
+        path.write_bytes(pdf)
+        paths.append(path)
+    return paths
+
+
+def config_text(args, max_batch: str) -> str:
+    batch = f'"{max_batch}"' if max_batch == "auto" else max_batch
+    return "\n".join([
+        "[folders]", 'inbox = "inbox"', 'outbox = "outbox"', 'archive = "archive"', 'failed = "failed"',
+        'logs = "logs"', "[database]", 'url = "sqlite:///uflash.db"', "[model]", f'path = "{Path(args.model).resolve()}"',
+        f'device = "{args.device}"', f'dtype = "{args.dtype}"', "[engine]", f'mode = "{args.mode}"',
+        f"max_batch = {batch}", f"max_pages_per_chunk = {args.chunk_pages}",
+        f"max_tokens_per_page = {args.max_tokens_per_page}", ""])
+
+
+def one_setting(args, documents: list[Path], max_batch: str, work: Path) -> dict:
+    folder = work / f"batch-{max_batch}"
+    folder.mkdir(parents=True)
+    config = folder / "config.toml"
+    config.write_text(config_text(args, max_batch), encoding="utf-8")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    started = datetime.now().astimezone()
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "ingest.cli", "--config", str(config), "run", *map(str, documents),
+                           "--out", str(folder / "out")], cwd=ROOT, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    row = {"max_batch": max_batch, "exit_code": proc.returncode, "seconds": round(seconds, 2)}
+    if proc.returncode != 0:
+        row["stderr_tail"] = proc.stderr[-2000:]
+    with sqlite3.connect(folder / "uflash.db") as db:
+        stats = [json.loads(s) for (s,) in db.execute("SELECT stats FROM pages")]
+        done = [c for (c,) in db.execute("SELECT completed_at FROM documents WHERE completed_at IS NOT NULL")]
+    first = min((datetime.fromisoformat(c) for c in done), default=None)
+    if first is not None and first.tzinfo is None:
+        first = first.replace(tzinfo=started.tzinfo if started.utcoffset() else None)
+    tokens = sum(s.get("tokens", 0) for s in stats)
+    decode_s = sum(s.get("verify_s", 0.0) + s.get("single_s", 0.0) + s.get("draft_s", 0.0) for s in stats)
+    row.update(pages=len(stats), documents=len(done), pages_per_hour=round(3600 * len(stats) / seconds, 1),
+               tokens=tokens, decode_tok_s=round(tokens / decode_s, 1) if decode_s else None,
+               tau=round(statistics.mean(s.get("tau", 0.0) for s in stats), 3) if stats else None,
+               batch_rows=round(statistics.mean(s.get("batch_rows", 1.0) for s in stats), 2) if stats else None,
+               first_document_s=round((first.astimezone() - started).total_seconds(), 2) if first else None)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="models/demo")
+    ap.add_argument("--docs", type=int, default=50)
+    ap.add_argument("--doc-pages", type=int, default=4)
+    ap.add_argument("--seed0", type=int, default=860_000)
+    ap.add_argument("--scan", action="store_true", help="image-only pages (no text layer)")
+    ap.add_argument("--max-batch", default="1,auto")
+    ap.add_argument("--docs-at-batch-1", type=int, default=None,
+                    help="fewer documents for max_batch 1 (its pages/hour is a rate; it is slow)")
+    ap.add_argument("--mode", default="lossless")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--chunk-pages", type=int, default=4)
+    ap.add_argument("--max-tokens-per-page", type=int, default=1500)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
+    documents = write_documents(work / "docs", args.docs, args.doc_pages, args.seed0, args.scan)
+    report = {"benchmark": "bench_pipeline", "argv": sys.argv[1:] if argv is None else argv, "settings": []}
+    for max_batch in args.max_batch.split(","):
+        docs = documents[: args.docs_at_batch_1] if max_batch == "1" and args.docs_at_batch_1 else documents
+        report["settings"].append(one_setting(args, docs, max_batch, work))
+        print(json.dumps(report["settings"][-1]), flush=True)
+    print(f"\n{'max_batch':>9} {'pages':>6} {'seconds':>8} {'pages/h':>9} {'first doc s':>11} {'tok/s':>8} {'tau':>6}"
+          f" {'rows':>6}")
+    for r in report["settings"]:
+        print(f"{r['max_batch']:>9} {r.get('pages', 0):>6} {r['seconds']:>8.1f} {r.get('pages_per_hour', 0):>9.1f}"
+              f" {r.get('first_document_s') or 0:>11.1f} {r.get('decode_tok_s') or 0:>8.1f} {r.get('tau') or 0:>6.2f}"
+              f" {r.get('batch_rows') or 0:>6.2f}")
+    rates = {r["max_batch"]: r.get("pages_per_hour") for r in report["settings"]}
+    if rates.get("1") and rates.get("auto"):
+        report["auto_over_1"] = round(rates["auto"] / rates["1"], 2)
+        print(f"pages/hour at auto / at 1: {report['auto_over_1']}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, separators=(",", ":")))
+    return 0 if all(r["exit_code"] == 0 for r in report["settings"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
