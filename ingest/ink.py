@@ -8,7 +8,9 @@ which a page's output is judged far too short or too long (ingest.grading).
 3. lines: runs of rows (at that angle) that hold ink; a band taller than the page's typical line is counted as the
    lines it spans (lines set close together merge into one band);
 4. per line, the width its ink covers (gaps narrower than the line height closed, so the spaces between words
-   count); characters = ``CHARS_PER_HEIGHT`` x covered width / line height, summed over the lines.
+   count); characters = ``CHARS_PER_HEIGHT`` x covered width / line height, summed over the lines. Bands that are
+   nearly all ink (solid areas: more than ``SOLID`` of their area) and ruled lines are not print. A photograph or a
+   drawing is counted as print: its page is likely to be found "far less text than its print".
 The estimate is in characters of plain text, spaces included (the model's output is compared with its markup
 removed). It is an estimate: on the calibration ladder (docs/grades.md) it is within a factor of
 about 1.5 of the truth for most pages; the grading thresholds allow for that.
@@ -24,6 +26,7 @@ from PIL import Image
 CHARS_PER_HEIGHT = 1.7  # characters per line-height of covered width (Latin print: advance ~0.5 em, band ~0.95 em)
 ANGLES = np.deg2rad(np.arange(-4.0, 4.01, 0.25))
 MAX_SIDE = 1024  # the measure runs on at most this many pixels a side
+SOLID = 0.8  # a band whose ink covers more than this share of its area is a solid area, not print
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,8 @@ def ink_text(image: Image.Image) -> InkText:
         n = max(1, int(round((bh + 0.3 * line_h) / (1.3 * line_h))))
         if bh < 0.4 * line_h and width > 0.5 * w and in_band.size > 0.6 * width * bh:
             continue  # a ruled line (a table's grid, an underline), not print
+        if width and in_band.size > SOLID * width * bh:
+            continue  # a solid area (a photograph, a drawing, a stamp), not lines of print
         lines += n
         chars += CHARS_PER_HEIGHT * n * width / max(line_h, 1.0)
     return InkText(int(round(chars)), lines, line_h, float(np.rad2deg(best)), ys.size / mask.size)
