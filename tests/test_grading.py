@@ -206,3 +206,48 @@ def test_without_repair_a_copied_page_is_poor_with_or_without_a_text_layer(tmp_p
     assert q["grade"] == "poor" and q["reasons"] == ["repeats_page"] and q["repeats"]["page"] == 2
     assert (q["text_layer_ned"] is None) == scan  # the scan has no text layer; the grade is the same
     assert [p.stats["quality"]["grade"] for p in pages[:2]] == ["good", "good"]
+
+
+class MergingDecoder(CopyingDecoder):
+    """A chunk of several pages comes back one page short: its second page holds the second and third pages' text
+    (the model missed a separator). A page decoded alone is read right."""
+
+    def decode(self, images, context_limit, max_new_tokens=None, **hints):
+        pages = [self.page_of[im.tobytes()] for im in images]
+        self.calls.append(pages)
+        texts = [self.truth[n - 1] for n in pages]
+        if len(pages) > 2:
+            texts = texts[:1] + [" ".join(texts[1:])]
+        body = "".join(("<PAGE>" if len(pages) > 1 else "") + f"<|det|>text [60, 60, 900, 300]<|/det|>{t}"
+                       for t in texts)
+        res = DecodeResult(prompt_ids=[0] * 10, output_ids=list(range(len(body))), finish_reason="eos", seconds=0.1,
+                           text=body, prompt_kind="multi" if len(pages) > 1 else "single", n_pages=len(pages),
+                           logprobs=[-0.1] * len(body))
+        return assemble(res, len(pages), hit_context=False)
+
+
+def test_pages_of_a_chunk_that_came_back_short_are_decoded_alone(tmp_path, tiny_model_dir):
+    """3 pages in, 2 out: page 3 is re-queued (the worker's rule) and pages 1-2, which may hold their neighbours'
+    text, are each decoded again alone; page 2's own reading is kept."""
+    cfg = worker_config(tmp_path, tiny_model_dir, orientation={"auto": False})
+    s = load_settings(cfg)
+    s.ensure_folders()
+    db = Database(s.database_url)
+    pdf = make_pdf(s.inbox / "merged.pdf", PARAGRAPHS)
+    decoder = MergingDecoder(pdf, 3, PARAGRAPHS)
+    doc = intake_file(db, s, pdf).document_id
+
+    def done():
+        with db.session() as ss:
+            return ss.get(Document, doc).status in ("done", "failed")
+
+    serve_until(Worker(s, db, lambda: decoder), done)
+    assert decoder.calls == [[1, 2, 3], [1], [2], [3]]
+    with db.session() as ss:
+        pages = ss.scalars(select(Page).where(Page.document_id == doc).order_by(Page.page_index)).all()
+    assert [p.text.split("<|/det|>")[1] for p in pages] == PARAGRAPHS
+    assert all("pages_mismatch" in p.stats["repair"]["checks"] for p in pages[:2]) and "repair" not in pages[2].stats
+    assert pages[1].stats["repair"]["kept"] == "alone" and "text_vs_ink" in pages[1].stats["repair"]["checks"]
+    assert all(p.stats["quality"]["grade"] == "good" for p in pages)
+    with db.session() as ss:
+        assert ss.scalar(select(func.count()).select_from(Page)) == 3
