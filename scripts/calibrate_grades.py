@@ -311,6 +311,14 @@ def table(args) -> None:
             rec = json.loads(line)
             alone[rec["key"]] = rec
     rows = graded_pages(docs, alone, t, tokenizer)
+    if args.fit:
+        from dataclasses import asdict as _asdict
+
+        t = fit([r for r in rows if r["half"] == "labelled"], t)
+        rows = _regrade(rows, t)
+        print("thresholds chosen on the labelled half:", json.dumps({k: v for k, v in _asdict(t).items() if k in (
+            "unsure_word_prob", "unsure_words_poor", "unsure_words_fair", "mean_logprob_poor", "mean_logprob_fair",
+            "ink_short", "ink_long", "ink_short_fair", "ink_long_fair")}))
     halves = {h: _summary([r for r in rows if r["half"] == h]) for h in ("labelled", "held_out")}
     repaired = [r for r in rows if r.get("repair")]
     record = {"command": " ".join(["python", "scripts/calibrate_grades.py"] + sys.argv[1:]),
@@ -325,6 +333,60 @@ def table(args) -> None:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+
+
+def _regrade(rows: list[dict], t) -> list[dict]:
+    """The rows graded again with thresholds ``t`` (the figures that depend on them recomputed)."""
+    from ingest.grading import grade
+
+    out = []
+    for r in rows:
+        q = dict(r["quality"])
+        conf = [c for c in (r.get("word_confidence") or []) if c is not None]
+        if conf:
+            q["unsure_words"] = sum(c < t.unsure_word_prob for c in conf) / len(conf)
+        g, reasons = grade(q, t) if r["grade"] != "missing" else ("missing", [])
+        out.append({**r, "grade": g, "reasons": reasons})
+    return out
+
+
+def fit(rows: list[dict], base) -> tuple:
+    """Thresholds chosen on ``rows`` (the labelled half): the poor rules first, the most precise set whose recall of
+    pages with CER > 0.10 is >= 0.93 (margin over the 0.9 asked), then the fair rules, the most pages left good whose
+    median CER is <= 0.02 and of which at most 5% are above 0.10."""
+    import itertools
+    from dataclasses import replace
+
+    best, best_key = base, None
+    for wp, up, lp, ishort, ilong in itertools.product(
+            (0.1, 0.2, 0.3, 0.5), (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.8), (-0.05, -0.1, -0.15, -0.2,
+            -0.3, -0.4, -0.6, -0.8, -1.0, -1.5), (0.3, 0.4, 0.5, 0.6), (1.5, 2.0, 2.5, 3.0)):
+        t = replace(base, unsure_word_prob=wp, unsure_words_poor=up, mean_logprob_poor=lp, ink_short=ishort,
+                    ink_long=ilong, unsure_words_fair=min(base.unsure_words_fair, up),
+                    mean_logprob_fair=max(base.mean_logprob_fair, lp), ink_short_fair=max(base.ink_short_fair, ishort),
+                    ink_long_fair=min(base.ink_long_fair, ilong))
+        s = _summary(_regrade(rows, t))
+        if s["recall_poor"] is None or s["recall_poor"] < 0.93:
+            continue
+        key = (s["precision_poor"] or 0, s["recall_poor"])
+        if best_key is None or key > best_key:
+            best, best_key = t, key
+    poor_t = best
+    best_key = None
+    for uf, lf, sf, lgf in itertools.product((0.02, 0.05, 0.08, 0.1, 0.15, 0.2, 0.3), (-0.03, -0.05, -0.08, -0.1,
+                                             -0.15, -0.2, -0.3, -0.5), (0.6, 0.7, 0.8, 0.9), (1.2, 1.4, 1.7, 2.0)):
+        if uf > poor_t.unsure_words_poor or lf < poor_t.mean_logprob_poor or sf < poor_t.ink_short or \
+                lgf > poor_t.ink_long:
+            continue
+        t = replace(poor_t, unsure_words_fair=uf, mean_logprob_fair=lf, ink_short_fair=sf, ink_long_fair=lgf)
+        s = _summary(_regrade(rows, t))
+        good = s["grades"].get("good")
+        if not good or good["cer_median"] > 0.02 or good["share_cer_over_0.1"] > 0.05:
+            continue
+        key = (good["pages"], -good["cer_median"])
+        if best_key is None or key > best_key:
+            best, best_key = t, key
+    return best
 
 
 def _by_axis(rows: list[dict]) -> dict:
@@ -384,6 +446,7 @@ def main(argv=None) -> int:
     tb.add_argument("--repaired", default=str(ROOT / "var" / "ladder" / "repaired.jsonl"))
     tb.add_argument("--json", help="write the record here")
     tb.add_argument("--rows", help="write every page's grade, figures and CER here (JSON lines)")
+    tb.add_argument("--fit", action="store_true", help="choose the grading thresholds on the labelled half first")
     args = ap.parse_args(argv)
     {"decode": decode, "repair": repair_pass, "table": table}[args.cmd](args)
     return 0
