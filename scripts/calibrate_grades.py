@@ -350,43 +350,56 @@ def _regrade(rows: list[dict], t) -> list[dict]:
     return out
 
 
+def _middle(candidates: list, score) -> object:
+    """Of the candidates (Thresholds) that share the best score, the one in the middle of them: each searched field
+    at the median of its tied values (a threshold in the middle of the gap between good and bad pages, not at its
+    edge), when that combination scores as well; else the first tied candidate."""
+    from dataclasses import fields, replace
+
+    best = max(score(t) for t in candidates)
+    tied = [t for t in candidates if score(t) == best]
+    names = [f.name for f in fields(tied[0]) if len({getattr(t, f.name) for t in tied}) > 1]
+    middle = replace(tied[0], **{n: sorted(getattr(t, n) for t in tied)[len(tied) // 2] for n in names})
+    return middle if score(middle) == best else tied[len(tied) // 2]
+
+
 def fit(rows: list[dict], base) -> tuple:
     """Thresholds chosen on ``rows`` (the labelled half): the poor rules first, the most precise set whose recall of
-    pages with CER > 0.10 is >= 0.93 (margin over the 0.9 asked), then the fair rules, the most pages left good whose
-    median CER is <= 0.02 and of which at most 5% are above 0.10."""
+    pages with CER > 0.10 is >= 0.93 (a margin over the 0.9 asked), then the fair rules, the most pages left good whose
+    median CER is <= 0.02 and of which at most 5% are above 0.10; ties broken by the middle of the tied thresholds."""
     import itertools
     from dataclasses import replace
 
-    best, best_key = base, None
-    for wp, up, lp, ishort, ilong in itertools.product(
-            (0.1, 0.2, 0.3, 0.5), (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.8), (-0.05, -0.1, -0.15, -0.2,
-            -0.3, -0.4, -0.6, -0.8, -1.0, -1.5), (0.3, 0.4, 0.5, 0.6), (1.5, 2.0, 2.5, 3.0)):
-        t = replace(base, unsure_word_prob=wp, unsure_words_poor=up, mean_logprob_poor=lp, ink_short=ishort,
-                    ink_long=ilong, unsure_words_fair=min(base.unsure_words_fair, up),
-                    mean_logprob_fair=max(base.mean_logprob_fair, lp), ink_short_fair=max(base.ink_short_fair, ishort),
-                    ink_long_fair=min(base.ink_long_fair, ilong))
+    def poor_score(t):
         s = _summary(_regrade(rows, t))
         if s["recall_poor"] is None or s["recall_poor"] < 0.93:
-            continue
-        key = (s["precision_poor"] or 0, s["recall_poor"])
-        if best_key is None or key > best_key:
-            best, best_key = t, key
-    poor_t = best
-    best_key = None
-    for uf, lf, sf, lgf in itertools.product((0.02, 0.05, 0.08, 0.1, 0.15, 0.2, 0.3), (-0.03, -0.05, -0.08, -0.1,
-                                             -0.15, -0.2, -0.3, -0.5), (0.6, 0.7, 0.8, 0.9), (1.2, 1.4, 1.7, 2.0)):
-        if uf > poor_t.unsure_words_poor or lf < poor_t.mean_logprob_poor or sf < poor_t.ink_short or \
-                lgf > poor_t.ink_long:
-            continue
-        t = replace(poor_t, unsure_words_fair=uf, mean_logprob_fair=lf, ink_short_fair=sf, ink_long_fair=lgf)
-        s = _summary(_regrade(rows, t))
-        good = s["grades"].get("good")
+            return (-1.0, 0.0)
+        return (s["precision_poor"] or 0.0, s["recall_poor"])
+
+    candidates = [replace(base, unsure_word_prob=wp, unsure_words_poor=up, mean_logprob_poor=lp, ink_short=ishort,
+                          ink_long=ilong, unsure_words_fair=up, mean_logprob_fair=lp, ink_short_fair=ishort,
+                          ink_long_fair=ilong)
+                  for wp, up, lp, ishort, ilong in itertools.product(
+                      (0.1, 0.2, 0.3, 0.5), (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.8),
+                      (-0.05, -0.1, -0.15, -0.2, -0.3, -0.4, -0.6, -0.8, -1.0, -1.5), (0.3, 0.4, 0.5, 0.6),
+                      (1.5, 2.0, 2.5, 3.0))]
+    scores = {id(t): poor_score(t) for t in candidates}
+    poor_t = _middle(candidates, lambda t: scores.get(id(t)) or poor_score(t))
+
+    def fair_score(t):
+        good = _summary(_regrade(rows, t))["grades"].get("good")
         if not good or good["cer_median"] > 0.02 or good["share_cer_over_0.1"] > 0.05:
-            continue
-        key = (good["pages"], -good["cer_median"])
-        if best_key is None or key > best_key:
-            best, best_key = t, key
-    return best
+            return (-1, 0.0)
+        return (good["pages"], -good["share_cer_over_0.1"])
+
+    fair = [replace(poor_t, unsure_words_fair=uf, mean_logprob_fair=lf, ink_short_fair=sf, ink_long_fair=lgf)
+            for uf, lf, sf, lgf in itertools.product((0.02, 0.05, 0.08, 0.1, 0.15, 0.2, 0.3), (-0.03, -0.05, -0.08,
+                                                     -0.1, -0.15, -0.2, -0.3, -0.5), (0.6, 0.7, 0.8, 0.9),
+                                                     (1.2, 1.4, 1.7, 2.0))
+            if uf <= poor_t.unsure_words_poor and lf >= poor_t.mean_logprob_poor and sf >= poor_t.ink_short
+            and lgf <= poor_t.ink_long]
+    fscores = {id(t): fair_score(t) for t in fair}
+    return _middle(fair, lambda t: fscores.get(id(t)) or fair_score(t)) if fair else poor_t
 
 
 def _by_axis(rows: list[dict]) -> dict:
