@@ -325,7 +325,8 @@ def table(args) -> None:
               "model": args.model, "decoded_mode": docs[0].get("mode") if docs else None,
               "documents": len(docs), "thresholds": asdict(t), "halves": halves,
               "repairs": {"pages": len(repaired), "kept_alone": sum(r["repair"].get("kept") == "alone" for r in repaired)},
-              "by_axis": _by_axis([r for r in rows if r["half"] == "held_out"])}
+              "by_axis": _by_axis([r for r in rows if r["half"] == "held_out"]),
+              "ink_vs_truth": _ink_vs_truth(rows)}
     if args.rows:
         Path(args.rows).write_text("\n".join(json.dumps({k: v for k, v in r.items() if k != "word_confidence"})
                                              for r in rows) + "\n", encoding="utf-8")
@@ -402,6 +403,17 @@ def fit(rows: list[dict], base) -> tuple:
     return _middle(fair, lambda t: fscores.get(id(t)) or fair_score(t)) if fair else poor_t
 
 
+def _ink_vs_truth(rows: list[dict]) -> dict:
+    """How well ingest.ink measures the print: its characters over the truth's, percentiles over the pages with at
+    least 40 characters of truth."""
+    ratios = sorted(r["quality"]["ink_chars"] / r["truth_chars"] for r in rows
+                    if r.get("truth_chars", 0) >= 40 and r["quality"].get("ink_chars") is not None)
+    if not ratios:
+        return {}
+    return {"pages": len(ratios), **{f"p{int(f * 100)}": round(ratios[min(len(ratios) - 1, int(f * len(ratios)))], 3)
+                                     for f in (0.05, 0.25, 0.5, 0.75, 0.95)}}
+
+
 def _by_axis(rows: list[dict]) -> dict:
     """Per value of each ladder axis: pages, mean CER, share graded poor (held-out half)."""
     out = {}
@@ -425,7 +437,7 @@ def _format(rec: dict) -> str:
         for g, v in s["grades"].items():
             lines.append(f"  {g:<7}{v['pages']:>6}{v['cer_median']:>9}{v['cer_p90']:>8}{v['cer_mean']:>8}"
                          f"{v['share_cer_over_0.1']:>8}")
-    lines.append(f"\nrepairs: {rec['repairs']}")
+    lines.append(f"\nrepairs: {rec['repairs']}; print measured / truth characters: {rec['ink_vs_truth']}")
     return "\n".join(lines)
 
 
