@@ -11,8 +11,7 @@
   but ``repetition`` when a page that ran out of room (context_limit or length) ends in a loop.
 - ``edit_distance(a, b)`` (Levenshtein, bit-parallel: Hyyrö 2001) and ``normalized_edit_distance``
   (distance / the longer length; 0 = equal, 1 = nothing in common).
-- ``page_quality(...)``: the stats of one page; ``neighbour_ratio`` (characters against the median of
-  the neighbouring pages); ``grade(stats, thresholds)``: good / fair / poor with the reasons.
+- ``page_quality(...)``: the stats of one page (``ingest.grading`` grades pages on them).
 
 Log-probabilities are those of the emitted tokens under the target model's distribution: the log-softmax
 of its fp32 logits at each emitted position, before the no-repeat-ngram bans (the engine takes them from the
@@ -36,20 +35,26 @@ GRADES = ("good", "fair", "poor")
 
 @dataclass(frozen=True)
 class Thresholds:
-    """A page is *poor* when any poor rule fires, *fair* when any fair rule fires, else *good*.
-    Rules whose stat is missing (e.g. no text layer, too few tokens for Distinct-35) do not fire."""
+    """The ``[quality]`` section of config.toml: the parameters of the figures computed here, and the thresholds
+    of the grade (``ingest.grading``: a page is *poor* when any poor rule fires, *fair* when any fair rule fires,
+    else *good*; rules whose figure is missing do not fire). The grading thresholds were chosen on a labelled
+    ladder against the truth (docs/grades.md)."""
 
     distinct_20_poor: float = 0.80  # Distinct-20 below this: poor (repetition)
     distinct_20_fair: float = 0.95
-    distinct_35_poor: float = 0.85
-    distinct_35_fair: float = 0.97
     mean_logprob_poor: float = -1.5  # mean log-probability of the emitted tokens below this: poor
     mean_logprob_fair: float = -0.5
-    low_confidence_prob: float = 0.5  # a token whose probability is below this is low-confidence
-    low_confidence_poor: float = 0.30  # share of low-confidence tokens above this: poor
-    low_confidence_fair: float = 0.10
-    text_layer_poor: float = 0.60  # normalized edit distance to the PDF text layer above this: poor
-    text_layer_fair: float = 0.30
+    unsure_word_prob: float = 0.5  # a word whose confidence is below this is one the model was unsure of ...
+    unsure_words_poor: float = 0.30  # ... and a share of such words above this: poor
+    unsure_words_fair: float = 0.10
+    ink_min_chars: int = 40  # compare the text with the print on the page when either has at least this many chars
+    ink_short: float = 0.4  # characters read / characters of print measured on the page below this: poor
+    ink_long: float = 2.5  # ... above this: poor
+    ink_short_fair: float = 0.6
+    ink_long_fair: float = 1.7
+    repeat_share: float = 0.5  # a page whose character 8-grams are this much on another page repeats it ...
+    repeat_min_chars: int = 40  # ... when it has at least this many characters
+    low_confidence_prob: float = 0.5  # a token whose probability is below this is low-confidence (a figure)
     text_layer_min_chars: int = 20  # compare with the text layer only when it has at least this many chars
     neighbour_low: float = 0.25  # characters / median of the neighbours' below this (or above high): fair
     neighbour_high: float = 4.0
@@ -168,71 +173,6 @@ def page_quality(raw_finish: str, ids: Sequence[int], logprobs: Sequence[float] 
         "text_layer_ned": (_round(normalized_edit_distance(_words(text), layer))
                            if len(layer) >= t.text_layer_min_chars else None),
     }
-
-
-def neighbour_ratio(chars: Sequence[int], i: int, min_chars: int = 200) -> float | None:
-    """Characters of page ``i`` / the median of its neighbours' (pages i-1 and i+1); None without
-    neighbours or when the neighbours hold fewer than ``min_chars`` (too little text to compare)."""
-    near = [chars[j] for j in (i - 1, i + 1) if 0 <= j < len(chars)]
-    if not near:
-        return None
-    median = statistics.median(near)
-    if median < min_chars:
-        return None
-    return _round(chars[i] / median)
-
-
-def grade(stats: dict[str, Any], thresholds: Thresholds = Thresholds()) -> tuple[str, list[str]]:
-    """(grade, reasons) of a page from its stats (``page_quality`` + ``neighbour_chars_ratio``).
-    Reasons are short codes, poor ones first: repetition, context_limit, length, low_distinct_20,
-    low_distinct_35, low_mean_logprob, low_confidence_tokens, text_layer_mismatch, chars_vs_neighbours."""
-    t = thresholds
-    poor: list[str] = []
-    fair: list[str] = []
-
-    def below(key: str, poor_at: float, fair_at: float, reason: str) -> None:
-        v = stats.get(key)
-        if v is None:
-            return
-        if v < poor_at:
-            poor.append(reason)
-        elif v < fair_at:
-            fair.append(reason)
-
-    def above(key: str, poor_at: float, fair_at: float, reason: str) -> None:
-        v = stats.get(key)
-        if v is None:
-            return
-        if v > poor_at:
-            poor.append(reason)
-        elif v > fair_at:
-            fair.append(reason)
-
-    finish = stats.get("finish_reason")
-    if finish in ("repetition", "context_limit", "length"):
-        poor.append(finish)
-    below("distinct_20", t.distinct_20_poor, t.distinct_20_fair, "low_distinct_20")
-    below("distinct_35", t.distinct_35_poor, t.distinct_35_fair, "low_distinct_35")
-    below("mean_logprob", t.mean_logprob_poor, t.mean_logprob_fair, "low_mean_logprob")
-    above("low_confidence_share", t.low_confidence_poor, t.low_confidence_fair, "low_confidence_tokens")
-    above("text_layer_ned", t.text_layer_poor, t.text_layer_fair, "text_layer_mismatch")
-    ratio = stats.get("neighbour_chars_ratio")
-    if ratio is not None and not t.neighbour_low <= ratio <= t.neighbour_high:
-        fair.append("chars_vs_neighbours")
-    if poor:
-        return "poor", poor + fair
-    return ("fair", fair) if fair else ("good", [])
-
-
-def grade_document(pages: list[dict[str, Any]], thresholds: Thresholds = Thresholds()) -> list[dict[str, Any]]:
-    """Each page's stats (in document order) completed with neighbour_chars_ratio, grade and reasons."""
-    chars = [p.get("chars", 0) for p in pages]
-    out = []
-    for i, p in enumerate(pages):
-        q = {**p, "neighbour_chars_ratio": neighbour_ratio(chars, i, thresholds.neighbour_min_chars)}
-        q["grade"], q["reasons"] = grade(q, thresholds)
-        out.append(q)
-    return out
 
 
 def thresholds_from(values: dict[str, Any] | None) -> Thresholds:

@@ -234,7 +234,8 @@ def _write_report(settings: Settings, db, run_id: int | None = None, log: bool =
     from ingest.report import write_html_report
 
     try:
-        path = write_html_report(db, settings.outbox, run_id)
+        path = write_html_report(db, settings.outbox, run_id, settings.config_file,
+                                 settings.quality.unsure_word_prob)
     except Exception as e:  # the report is a by-product: never fail a finished run over it
         logger.warning("could not write the HTML report: {}", e)
         return
@@ -255,7 +256,8 @@ def cmd_report(settings: Settings, args: argparse.Namespace) -> int:
         if args.json:
             from ingest.report import write_html_report
 
-            write_html_report(db, settings.outbox, rep["run"]["id"])
+            write_html_report(db, settings.outbox, rep["run"]["id"], settings.config_file,
+                              settings.quality.unsure_word_prob)
         else:
             _write_report(settings, db, rep["run"]["id"])
     return 0

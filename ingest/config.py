@@ -58,13 +58,15 @@ class EngineSettings(_Section):
 
 
 class Quality(_Section):
-    """Grading thresholds (engine.quality.Thresholds documents each one); defaults are the dataclass's."""
+    """Grading thresholds (engine.quality.Thresholds documents each one; defaults are the dataclass's), and whether
+    pages caught by the checks are decoded again alone (ingest.repair)."""
 
-    __annotations__ = {f: type(v) for f, v in vars(Thresholds()).items()}
+    __annotations__ = {**{f: type(v) for f, v in vars(Thresholds()).items()}, "repair": bool}
     locals().update(vars(Thresholds()))
+    repair: bool = True
 
     def thresholds(self) -> Thresholds:
-        return Thresholds(**self.model_dump())
+        return Thresholds(**self.model_dump(exclude={"repair"}))
 
 
 class Orientation(_Section):
@@ -127,6 +129,7 @@ class Settings(BaseSettings):
     watch: Watch = Watch()
     worker: Worker = Worker()
     config_dir: Path = Field(default=Path("."), exclude=True)
+    config_file: Path | None = Field(default=None, exclude=True)  # the file read, if any (commands shown name it)
 
     @classmethod
     def settings_customise_sources(
@@ -246,10 +249,12 @@ def load_settings(path: Path | str | None = None, **overrides: Any) -> Settings:
             data = tomllib.loads(cfg.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {cfg} is not valid TOML: {e}") from None
-    if "config_dir" in data:
-        raise ConfigError("unknown config key 'config_dir'")
+    for internal in ("config_dir", "config_file"):
+        if internal in data:
+            raise ConfigError(f"unknown config key '{internal}'")
     data.update(overrides)
     data["config_dir"] = cfg.parent if cfg else Path.cwd()
+    data["config_file"] = cfg.resolve() if cfg else None
     try:
         return Settings(**data)
     except ValidationError as e:

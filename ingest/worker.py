@@ -47,17 +47,17 @@ from db.runs import close_run, close_runs_of_gone_owners
 from db.session import Database
 from engine.chunk_decode import ChunkDecoder, ChunkOutput
 from engine.model import ModelLoadError, ModelNotFound
-from engine.quality import grade_document, page_quality
 from ingest.config import Settings
 from ingest.errors import InfrastructureError, UflashError, infrastructure_problem
 from ingest.files import file_away, sha256_file
+from ingest.grading import grade_document, plain_text
 from ingest.health import Trouble
 from ingest.intake import intake_file
 from ingest.orientation import TurnChoice, choose_turn, decoder_probe, turn
-from ingest.outputs import holds_another_document, output_folder, page_markdown, write_document_outputs
+from ingest.outputs import holds_another_document, output_folder, write_document_outputs
 from ingest.owners import is_gone, this_process
 from ingest.render import render_pages
-from ingest.word_confidence import archival_stats
+from ingest.repair import chunk_page_stats, repair_chunk
 
 
 class _LeaseLost(Exception):
@@ -268,17 +268,41 @@ class Worker:
             with Heartbeat(self.db, c, w.lease_seconds, w.heartbeat_seconds) as hb:
                 turned = self._turn_to_read(decoder, pages, label, c.document_id)
                 cap = self.settings.engine.max_tokens_per_page
+                references = self._reference_texts(c, pages)
                 out = decoder.decode([p.image for p in pages], context_limit=self.settings.engine.context_limit,
                                      max_new_tokens=cap * len(pages) if cap else None,
-                                     reference_texts=self._reference_texts(c, pages),
-                                     replay_ids=self._replay_ids(c))
+                                     reference_texts=references, replay_ids=self._replay_ids(c))
+                page_stats = self._check_and_repair(decoder, pages, out, references, label)
         except Exception as e:
             self._decode_failed(c, label, e)
             return
         if hb.lost.is_set():
             logger.warning("{}: lease lost while decoding; dropping the result", label)
             return
-        self._store(c, run_id, pages, out, label, turned)
+        self._store(c, run_id, pages, out, label, turned, page_stats)
+
+    def _check_and_repair(self, decoder: ChunkDecoder, pages: list, out: ChunkOutput, references: list[str],
+                          label: str) -> list[dict[str, Any]]:
+        """Each kept page's stats (ingest.repair); pages caught by the checks are decoded again alone and the better
+        reading kept (``quality.repair``, on by default)."""
+        thresholds = self.settings.quality.thresholds()
+        tokenizer = getattr(getattr(decoder, "loaded", None), "tokenizer", None)
+        images, layers = [p.image for p in pages], [p.text_layer for p in pages]
+        first = pages[0].index if pages else 1
+        stats = chunk_page_stats(out, images, layers, tokenizer, thresholds, first)
+        if self.settings.quality.repair:
+            cap = self.settings.engine.max_tokens_per_page
+
+            def alone(i: int) -> ChunkOutput:
+                return decoder.decode([images[i]], context_limit=self.settings.engine.context_limit,
+                                      max_new_tokens=cap, reference_texts=[references[i]])
+
+            for i in repair_chunk(out, stats, images, layers, alone, tokenizer, thresholds, first):
+                rec = stats[i].get("repair")
+                if rec:
+                    logger.info("{}: page {} ({}) decoded again alone; kept the {} reading", label, pages[i].index,
+                                ", ".join(rec["why"]), "single-page" if rec["kept"] == "alone" else "chunk's")
+        return stats
 
     def _turn_to_read(self, decoder: ChunkDecoder, pages: list, label: str, doc_id: int) -> dict[int, TurnChoice]:
         """Turn the pages that were scanned sideways or upside down (ingest.orientation) so the chunk's decode reads
@@ -376,19 +400,15 @@ class Worker:
         logger.opt(exception=not _is_oom(e)).error("{}: {} -> {}", label, reason, status or "lease lost")
 
     def _store(self, c: Claim, run_id: int, pages: list, out: ChunkOutput, label: str,
-               turned: dict[int, TurnChoice] | None = None) -> None:
+               turned: dict[int, TurnChoice] | None = None, page_stats: list[dict[str, Any]] | None = None) -> None:
         n_in = len(pages)
         kept = out.pages
         rows = []
         mode = getattr(self.decoder(), "mode", None)
-        thresholds = self.settings.quality.thresholds()
-        tokenizer = getattr(getattr(self.decoder(), "loaded", None), "tokenizer", None)
         for i, po in enumerate(kept):
             rendered = pages[i]
             stats = {**po.stats, "chunk_id": c.chunk_id, "chunk_pages": f"{c.first_page}-{c.last_page}", "mode": mode,
-                     "quality": page_quality(po.stats["finish_reason"], po.ids, po.logprobs, page_markdown(po.text),
-                                             rendered.text_layer, thresholds),
-                     **archival_stats(po.text, po.ids, po.logprobs, rendered.image.size, tokenizer)}
+                     **page_stats[i]}
             notes = [out.note] if out.note else []
             if (choice := (turned or {}).get(rendered.index)) is not None:
                 stats["orientation"] = choice.record()
@@ -549,8 +569,10 @@ class Worker:
         logger.error("{}: {}", doc.original_name, reason)
 
     def _grade(self, pages: list[Page]) -> None:
-        """Grade the document's latest pages against each other; store grade and reasons in their stats."""
-        graded = grade_document([p.stats.get("quality") or {} for p in pages], self.settings.quality.thresholds())
+        """Grade the document's latest pages against each other (ingest.grading); store grade and reasons in their
+        stats."""
+        graded = grade_document([{**(p.stats.get("quality") or {}), "plain": plain_text(p.text),
+                                  "chunk_id": p.chunk_id} for p in pages], self.settings.quality.thresholds())
         with self.db.engine.begin() as conn:
             for p, q in zip(pages, graded):
                 p.stats = {**p.stats, "quality": q}
