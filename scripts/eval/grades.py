@@ -1,16 +1,13 @@
-#!/usr/bin/env python3
 """Calibrate the page grades against the truth on a difficulty ladder of labelled documents (scripts/synth/ladder.py).
 
-    # 1. decode the ladder as the pipeline does (one document = one chunk of 1-4 pages, the batched engine; plain
-    #    mode gives the lossless mode's tokens), one JSON line per document, appended as each ends: a crash loses
-    #    nothing, a restart goes on
-    python scripts/calibrate_grades.py decode --docs 260 --out var/ladder/decoded.jsonl
-    # 2. the pipeline's repair on those chunks: a page caught by the checks is decoded again alone
-    python scripts/calibrate_grades.py repair --decoded var/ladder/decoded.jsonl --out var/ladder/repaired.jsonl
-    # 3. figures, grades and the table: rules chosen on the labelled half (even documents), reported on the held-out
-    #    half (odd documents)
-    python scripts/calibrate_grades.py table --decoded var/ladder/decoded.jsonl --repaired var/ladder/repaired.jsonl \
-        --json docs/results/grades.json
+    # 1. decode the ladder as the pipeline does (one document = one chunk of 1-4 pages, the batched engine, `plain`
+    #    mode: the lossless mode's tokens), and read alone the pages the repair checks catch; JSON lines appended as
+    #    each item ends, so a stop loses only what is in flight and a restart goes on (scripts/eval/ladder_decode.py)
+    python -m scripts.eval.grades decode --dir var/ladder --docs 340 --device cuda --max-batch 64 --budget-s 270
+    # 2. figures, repairs, grades and the table: rules chosen on the labelled half (even documents) with --fit,
+    #    reported on the held-out half (odd documents); runs on a CPU from the folder's files alone
+    python -m scripts.eval.grades table --dir var/ladder --fit
+    python -m scripts.eval.grades table --dir var/ladder --json docs/results/grades_ladder_demo.json
 
 Seeds start at 600,000 (below scripts.synth.HELD_OUT_LIMIT: never used in training). CER: Levenshtein distance of
 the page's plain text (markup, boxes and table tags removed, white space collapsed) to the label's, over the label's
@@ -22,186 +19,72 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
-import time
-from collections import deque
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from scripts.eval.ladder_decode import (
+    INK_LONG_GRID,
+    INK_SHORT_GRID,
+    SEED0,
+    TOKENS_PER_PAGE,
+    alone_key,
+    chunk_outputs,
+    decode_ladder,
+    page_images,
+    read_lines,
+)
 
-from scripts.synth import HELD_OUT_LIMIT  # noqa: E402
-
-SEED0 = 600_000
-TOKENS_PER_PAGE = 2500  # the demo model writes ~1 token per character; the ladder's densest page has ~1,400
-
-
-def _done_seeds(path: Path) -> set[int]:
-    if not path.exists():
-        return set()
-    out = set()
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.add(json.loads(line)["seed"])
-        except (ValueError, KeyError):
-            pass  # a line cut by a crash: that document is decoded again
-    return out
-
-
-def _page_record(po) -> dict:
-    return {"text": po.text, "ids": po.ids, "logprobs": [round(x, 5) for x in po.logprobs],
-            "stats": {k: po.stats.get(k) for k in ("finish_reason", "tokens", "seconds", "tau", "note")}}
-
-
-def _new_chunks(first: int, last: int, kept: int, finish: str) -> list[tuple[int, int]]:
-    """The chunks the worker queues after a chunk that kept ``kept`` of its pages (ingest/worker.py's rule)."""
-    first_left = first + kept
-    if finish in ("context_limit", "length") and first_left < last:
-        return [(first_left, first_left), (first_left + 1, last)]
-    if kept == 0:
-        mid = first + (last - first + 1) // 2 - 1
-        return [(first, mid), (mid + 1, last)]
-    return [(first_left, last)]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def decode(args) -> None:
-    from engine.chunk_decode import load_decoder
-    from ingest.render import render_pages
-    from scripts.synth.ladder import ladder_document
+    batch = int(args.max_batch) if str(args.max_batch).isdigit() else args.max_batch
+    decode_ladder(Path(args.dir), args.model, args.docs, args.seed0, args.device, args.dtype, args.mode, batch,
+                  args.procs, args.budget_s, args.tokens_per_page, args.context_limit)
 
-    out_path = Path(args.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = _done_seeds(out_path)
-    seeds = [s for s in range(args.seed0, args.seed0 + args.docs) if s not in done]
-    if seeds and seeds[-1] >= HELD_OUT_LIMIT:
-        raise SystemExit("ladder seeds must stay below the held-out limit")
-    decoder = load_decoder(args.model, "cpu" if args.device == "cpu" else args.device, "auto", mode=args.mode,
-                           max_batch=args.max_batch, max_pages_per_chunk=4)
-    work = Path(tempfile.mkdtemp(prefix="ladder-"))
-    docs: dict[int, dict] = {}
-    images: dict[int, list] = {}
-    waiting: deque[tuple[int, int, int]] = deque()  # (seed, first, last) chunks to submit
-    todo = deque(seeds)
-    t0, pages_done = time.time(), 0
-
-    def open_doc() -> None:
-        seed = todo.popleft()
-        pdf, labels, rung = ladder_document(seed)
-        path = work / f"{seed}.pdf"
-        path.write_bytes(pdf)
-        rendered = render_pages(path, "pdf", 1, rung.pages)
-        path.unlink()
-        images[seed] = [p.image for p in rendered]
-        docs[seed] = {"seed": seed, "half": "held_out" if (seed - args.seed0) % 2 else "labelled", "mode": args.mode,
-                      "rung": rung.dict(), "labels": labels, "text_layer": [p.text_layer for p in rendered],
-                      "image_size": [list(p.image.size) for p in rendered], "chunks": [], "open": 1}
-        waiting.append((seed, 1, rung.pages))
-
-    with out_path.open("a", encoding="utf-8") as sink:
-        while todo or waiting or decoder.busy:
-            while todo and len(waiting) + decoder.engine.active + len(decoder.engine.pending) < args.max_batch:
-                open_doc()
-            while waiting and decoder.free_rows > 0:
-                seed, a, b = waiting.popleft()
-                early = decoder.submit((seed, a, b), images[seed][a - 1 : b], args.context_limit,
-                                       args.tokens_per_page * (b - a + 1))
-                if early is not None:
-                    raise RuntimeError(f"seed {seed}: {early.note}")
-            for (seed, a, b), out in decoder.poll():
-                if isinstance(out, BaseException):
-                    raise out
-                doc = docs[seed]
-                kept = len(out.pages)
-                doc["chunks"].append({"first": a, "last": b, "finish_reason": out.finish_reason, "note": out.note,
-                                      "requeue": out.requeue, "seconds": out.chunk_stats.get("seconds"),
-                                      "pages": [_page_record(p) for p in out.pages]})
-                doc["open"] -= 1
-                if out.requeue:
-                    for na, nb in _new_chunks(a, b, kept, out.finish_reason):
-                        waiting.append((seed, na, nb))
-                        doc["open"] += 1
-                if doc["open"] == 0:
-                    del doc["open"]
-                    sink.write(json.dumps(doc, ensure_ascii=False) + "\n")
-                    sink.flush()
-                    pages_done += doc["rung"]["pages"]
-                    del docs[seed], images[seed]
-                    print(f"seed {seed}: {doc['rung']['pages']} pages, {pages_done} pages in "
-                          f"{time.time() - t0:.0f} s", flush=True)
-
-
-# -- repair and table ------------------------------------------------------------------------------------------
 
 def _docs(path: Path) -> list[dict]:
-    docs = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            d = json.loads(line)
-        except ValueError:
-            continue
-        docs[d["seed"]] = d
+    docs = {d["seed"]: d for d in read_lines(path) if "seed" in d}
     return [docs[k] for k in sorted(docs)]
 
 
-def _images(doc: dict) -> list:
-    from ingest.render import render_pages
-    from scripts.synth.ladder import ladder_document
-
-    pdf, _, rung = ladder_document(doc["seed"])
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "doc.pdf"
-        path.write_bytes(pdf)
-        return [p.image for p in render_pages(path, "pdf", 1, rung.pages)]
-
-
-def _outputs(doc: dict):
-    """The document's chunks as engine.chunk_decode.ChunkOutput objects (first page, output)."""
-    from engine.chunk_decode import ChunkOutput, PageOutput
-
-    for ch in doc["chunks"]:
-        pages = [PageOutput(text=p["text"], boxes=[], stats={k: v for k, v in p["stats"].items() if v is not None},
-                            ids=p["ids"], logprobs=p["logprobs"]) for p in ch["pages"]]
-        yield ch["first"], ChunkOutput(pages=pages, n_input_pages=ch["last"] - ch["first"] + 1,
-                                       finish_reason=ch["finish_reason"], requeue=ch["requeue"], note=ch["note"])
-
-
-def _alone_key(seed: int, page: int) -> str:
-    return f"{seed}:{page}"
-
-
-def graded_pages(docs: list[dict], alone: dict[str, dict], t, tokenizer, repair: bool = True,
-                 figures_cache: dict | None = None) -> list[dict]:
+def graded_pages(docs: list[dict], alone: dict[str, dict], t, tokenizer, repair: bool = True) -> list[dict]:
     """Every page of the ladder as the pipeline grades it: its figures (ingest.repair.chunk_page_stats), the repair
     of caught pages with their single-page readings (``alone``; a page without one is left as it was), the
-    document's grade (ingest.grading.grade_document); with its CER to the truth."""
+    document's grade (ingest.grading.grade_document); with its CER to the truth. A caught page without a reading
+    alone is left as it was and marked ``"repair": {"kept": "no reading alone"}``."""
     from engine.chunk_decode import PageOutput
     from engine.quality import edit_distance
-    from ingest.grading import grade_document, plain_text
+    from ingest.grading import checks, grade_document, plain_text
     from ingest.repair import chunk_page_stats, repair_chunk
     from scripts.synth import strip_markup
 
     rows = []
     for doc in docs:
-        images = _images(doc)
+        images = page_images(doc)
         layers = [None] * len(images)  # graded without the text layer (a grade never depends on it)
         pages: dict[int, tuple] = {}
-        for first, out in _outputs(doc):
-            imgs = images[first - 1 : first - 1 + out.n_input_pages]
-            stats = chunk_page_stats(out, imgs, layers, tokenizer, t, first)
+        for first, out in chunk_outputs(doc):
+            span = slice(first - 1, first - 1 + out.n_input_pages)
+            imgs = images[span]
+            stats = chunk_page_stats(out, imgs, layers[span], tokenizer, t, first,
+                                     inks=doc["ink"][span] if doc.get("ink") else None)
+            unread: list[int] = []
 
             def decode_alone(i: int, first=first, out=out):
                 from engine.chunk_decode import ChunkOutput
 
-                rec = alone.get(_alone_key(doc["seed"], first + i))
+                rec = alone.get(alone_key(doc["seed"], first + i))
                 if rec is None:
+                    unread.append(i)
                     return ChunkOutput(pages=[], n_input_pages=1, finish_reason="eos")
                 po = PageOutput(text=rec["text"], boxes=[], stats=rec["stats"], ids=rec["ids"],
                                 logprobs=rec["logprobs"])
                 return ChunkOutput(pages=[po], n_input_pages=1, finish_reason=rec["stats"]["finish_reason"])
 
             if repair:
-                repair_chunk(out, stats, imgs, layers, decode_alone, tokenizer, t, first)
+                repair_chunk(out, stats, imgs, layers[span], decode_alone, tokenizer, t, first)
+                for i in unread:
+                    stats[i]["repair"] = {"checks": checks(stats[i]["quality"], t), "kept": "no reading alone"}
             for i, (po, st) in enumerate(zip(out.pages, stats)):
                 pages[first + i] = (po, st, first)
         order = sorted(pages)
@@ -221,55 +104,6 @@ def graded_pages(docs: list[dict], alone: dict[str, dict], t, tokenizer, repair:
             rows.append({"seed": doc["seed"], "page": k, "half": doc["half"], "rung": doc["rung"], "cer": 1.0,
                          "grade": "missing", "reasons": [], "quality": {}})
     return rows
-
-
-def repair_pass(args) -> None:
-    """Decode alone the pages of multi-page chunks that the checks catch (what ingest.repair does in the worker)."""
-    from engine.chunk_decode import load_decoder
-    from engine.model import load_model
-    from ingest.grading import checks
-    from ingest.repair import chunk_page_stats
-    from engine.quality import Thresholds
-
-    t = Thresholds()
-    out_path = Path(args.out)
-    done = set()
-    if out_path.exists():
-        for line in out_path.read_text(encoding="utf-8").splitlines():
-            try:
-                done.add(json.loads(line)["key"])
-            except (ValueError, KeyError):
-                pass
-    tokenizer = load_model(args.model, "cpu", "auto").tokenizer
-    todo = []
-    for doc in _docs(Path(args.decoded)):
-        images = None
-        for first, out in _outputs(doc):
-            if out.n_input_pages < 2:
-                continue
-            images = images or _images(doc)
-            imgs = images[first - 1 : first - 1 + out.n_input_pages]
-            stats = chunk_page_stats(out, imgs, [None] * len(imgs), tokenizer, t, first)
-            for i, st in enumerate(stats):
-                key = _alone_key(doc["seed"], first + i)
-                if checks(st["quality"], t) and key not in done:
-                    todo.append((key, imgs[i]))
-    print(f"{len(todo)} pages to decode alone", flush=True)
-    decoder = load_decoder(args.model, args.device, "auto", mode=args.mode, max_batch=args.max_batch,
-                           max_pages_per_chunk=1)
-    queue = deque(todo)
-    with out_path.open("a", encoding="utf-8") as sink:
-        while queue or decoder.busy:
-            while queue and decoder.free_rows > 0:
-                key, image = queue.popleft()
-                decoder.submit(key, [image], args.context_limit, args.tokens_per_page)
-            for key, res in decoder.poll():
-                if isinstance(res, BaseException):
-                    raise res
-                po = res.pages[0]
-                sink.write(json.dumps({"key": key, **_page_record(po)}, ensure_ascii=False) + "\n")
-                sink.flush()
-                print(f"alone {key}", flush=True)
 
 
 def _summary(rows: list[dict], cut: float = 0.10) -> dict:
@@ -304,12 +138,12 @@ def table(args) -> None:
     t = load_settings(args.config).quality.thresholds() if args.config else load_settings(ROOT / "config.toml") \
         .quality.thresholds()
     tokenizer = load_model(args.model, "cpu", "auto").tokenizer
-    docs = _docs(Path(args.decoded))
-    alone = {}
-    if args.repaired and Path(args.repaired).exists():
-        for line in Path(args.repaired).read_text(encoding="utf-8").splitlines():
-            rec = json.loads(line)
-            alone[rec["key"]] = rec
+    folder = Path(args.dir)
+    docs = _docs(folder / "decoded.jsonl")
+    if not docs:
+        raise SystemExit(f"no decoded documents in {folder / 'decoded.jsonl'}: run the decode command first")
+    alone = {r["key"]: r for r in read_lines(folder / "repaired.jsonl") if "key" in r}
+    runs = read_lines(folder / "runs.jsonl")
     rows = graded_pages(docs, alone, t, tokenizer)
     if args.fit:
         from dataclasses import asdict as _asdict
@@ -320,11 +154,13 @@ def table(args) -> None:
             "unsure_word_prob", "unsure_words_poor", "unsure_words_fair", "mean_logprob_poor", "mean_logprob_fair",
             "ink_short", "ink_long", "ink_short_fair", "ink_long_fair")}))
     halves = {h: _summary([r for r in rows if r["half"] == h]) for h in ("labelled", "held_out")}
-    repaired = [r for r in rows if r.get("repair")]
-    record = {"command": " ".join(["python", "scripts/calibrate_grades.py"] + sys.argv[1:]),
-              "model": args.model, "decoded_mode": docs[0].get("mode") if docs else None,
+    kept = [r["repair"].get("kept") for r in rows if r.get("repair")]
+    record = {"command": " ".join(["python -m scripts.eval.grades"] + sys.argv[1:]),
+              "model": args.model, "decoded_mode": docs[0].get("mode"),
+              "decoded_on": runs[-1]["environment"] if runs else None,
               "documents": len(docs), "thresholds": asdict(t), "halves": halves,
-              "repairs": {"pages": len(repaired), "kept_alone": sum(r["repair"].get("kept") == "alone" for r in repaired)},
+              "repairs": {"pages": sum(k in ("alone", "chunk") for k in kept), "kept_alone": kept.count("alone"),
+                          "caught_without_reading_alone": kept.count("no reading alone")},
               "by_axis": _by_axis([r for r in rows if r["half"] == "held_out"]),
               "ink_vs_truth": _ink_vs_truth(rows)}
     if args.rows:
@@ -382,8 +218,8 @@ def fit(rows: list[dict], base) -> tuple:
                           ink_long_fair=ilong)
                   for wp, up, lp, ishort, ilong in itertools.product(
                       (0.1, 0.2, 0.3, 0.5), (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.8),
-                      (-0.05, -0.1, -0.15, -0.2, -0.3, -0.4, -0.6, -0.8, -1.0, -1.5), (0.3, 0.4, 0.5, 0.6),
-                      (1.5, 2.0, 2.5, 3.0))]
+                      (-0.05, -0.1, -0.15, -0.2, -0.3, -0.4, -0.6, -0.8, -1.0, -1.5), INK_SHORT_GRID,
+                      INK_LONG_GRID)]
     scores = {id(t): poor_score(t) for t in candidates}
     poor_t = _middle(candidates, lambda t: scores.get(id(t)) or poor_score(t))
 
@@ -444,36 +280,31 @@ def _format(rec: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("decode", help="decode the ladder (JSON lines, resumable)")
+    d = sub.add_parser("decode", help="decode the ladder and read the caught pages alone (JSON lines, resumable)")
+    d.add_argument("--dir", default=str(ROOT / "var" / "ladder"), help="folder of decoded.jsonl, repaired.jsonl, "
+                   "runs.jsonl (created; a restart goes on where the last one stopped)")
     d.add_argument("--model", default=str(ROOT / "models" / "demo"))
-    d.add_argument("--device", default="cpu")
-    d.add_argument("--mode", default="plain", help="plain, lossless (the same tokens) or fast; plain is the fastest on "
-                                                 "a CPU at batch 8")
-    d.add_argument("--docs", type=int, default=260)
+    d.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    d.add_argument("--dtype", default="auto", help="auto (bf16 on a GPU, fp32 on a CPU, as the pipeline), fp32, ...")
+    d.add_argument("--mode", default="plain", help="plain (the fastest; the lossless mode's tokens), lossless or fast")
+    d.add_argument("--docs", type=int, default=340, help="documents (seeds from --seed0; odd ones are held out)")
     d.add_argument("--seed0", type=int, default=SEED0)
-    d.add_argument("--max-batch", type=int, default=8)
+    d.add_argument("--max-batch", default="64", help="chunks in flight at once, or auto (as many as memory holds)")
+    d.add_argument("--procs", type=int, default=0, help="processes that render the documents (0: CPUs - 1, up "
+                   "to 15)")
+    d.add_argument("--budget-s", type=float, default=0.0, help="stop this many seconds after the start, keeping "
+                   "what is done (0: no limit)")
     d.add_argument("--tokens-per-page", type=int, default=TOKENS_PER_PAGE)
     d.add_argument("--context-limit", type=int, default=32768)
-    d.add_argument("--out", default=str(ROOT / "var" / "ladder" / "decoded.jsonl"))
-    r = sub.add_parser("repair", help="decode alone the pages the checks catch (JSON lines, resumable)")
-    r.add_argument("--model", default=str(ROOT / "models" / "demo"))
-    r.add_argument("--device", default="cpu")
-    r.add_argument("--mode", default="plain")
-    r.add_argument("--max-batch", type=int, default=8)
-    r.add_argument("--tokens-per-page", type=int, default=TOKENS_PER_PAGE)
-    r.add_argument("--context-limit", type=int, default=32768)
-    r.add_argument("--decoded", default=str(ROOT / "var" / "ladder" / "decoded.jsonl"))
-    r.add_argument("--out", default=str(ROOT / "var" / "ladder" / "repaired.jsonl"))
-    tb = sub.add_parser("table", help="grades against the truth, per half")
-    tb.add_argument("--model", default=str(ROOT / "models" / "demo"))
+    tb = sub.add_parser("table", help="figures, repairs and grades against the truth, per half (CPU)")
+    tb.add_argument("--dir", default=str(ROOT / "var" / "ladder"), help="the decode command's folder")
+    tb.add_argument("--model", default=str(ROOT / "models" / "demo"), help="its tokenizer")
     tb.add_argument("--config", help="the config whose [quality] thresholds grade (default: the repo's config.toml)")
-    tb.add_argument("--decoded", default=str(ROOT / "var" / "ladder" / "decoded.jsonl"))
-    tb.add_argument("--repaired", default=str(ROOT / "var" / "ladder" / "repaired.jsonl"))
     tb.add_argument("--json", help="write the record here")
     tb.add_argument("--rows", help="write every page's grade, figures and CER here (JSON lines)")
     tb.add_argument("--fit", action="store_true", help="choose the grading thresholds on the labelled half first")
     args = ap.parse_args(argv)
-    {"decode": decode, "repair": repair_pass, "table": table}[args.cmd](args)
+    {"decode": decode, "table": table}[args.cmd](args)
     return 0
 
 
