@@ -155,7 +155,7 @@ def table(args) -> None:
             "ink_short", "ink_long", "ink_short_fair", "ink_long_fair")}))
     halves = {h: _summary([r for r in rows if r["half"] == h]) for h in ("labelled", "held_out")}
     kept = [r["repair"].get("kept") for r in rows if r.get("repair")]
-    record = {"command": " ".join(["python -m scripts.eval.grades"] + sys.argv[1:]),
+    record = {"command": " ".join(["python -m scripts.eval.grades", *args.argv]),
               "model": args.model, "decoded_mode": docs[0].get("mode"),
               "decoded_on": runs[-1]["environment"] if runs else None,
               "documents": len(docs), "thresholds": asdict(t), "halves": halves,
@@ -304,6 +304,7 @@ def main(argv=None) -> int:
     tb.add_argument("--rows", help="write every page's grade, figures and CER here (JSON lines)")
     tb.add_argument("--fit", action="store_true", help="choose the grading thresholds on the labelled half first")
     args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     {"decode": decode, "table": table}[args.cmd](args)
     return 0
 

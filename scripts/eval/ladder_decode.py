@@ -156,8 +156,10 @@ def environment(decoder) -> dict[str, Any]:
 
 def decode_ladder(folder: Path, model: str, docs: int, seed0: int = SEED0, device: str = "auto", dtype: str = "auto",
                   mode: str = "plain", max_batch: int | str = 64, procs: int = 0, budget_s: float = 0.0,
-                  tokens_per_page: int = TOKENS_PER_PAGE, context_limit: int = 32768, every_s: float = 10.0) -> dict:
-    """Decode documents ``seed0 .. seed0 + docs - 1`` into ``folder`` (see the module); returns the run's record."""
+                  tokens_per_page: int = TOKENS_PER_PAGE, context_limit: int = 32768, every_s: float = 10.0,
+                  decoder=None) -> dict:
+    """Decode documents ``seed0 .. seed0 + docs - 1`` into ``folder`` (see the module); returns the run's record.
+    ``decoder``: one with ``EngineDecoder``'s submit / poll interface instead of the model's (tests)."""
     from dataclasses import replace
 
     from scripts.synth import HELD_OUT_LIMIT
@@ -177,7 +179,8 @@ def decode_ladder(folder: Path, model: str, docs: int, seed0: int = SEED0, devic
     from engine.chunk_decode import load_decoder
     from engine.quality import Thresholds
 
-    decoder = load_decoder(model, device, dtype, mode=mode, max_batch=max_batch, max_pages_per_chunk=4)
+    if decoder is None:
+        decoder = load_decoder(model, device, dtype, mode=mode, max_batch=max_batch, max_pages_per_chunk=4)
     tokenizer = decoder.loaded.tokenizer
     loose = replace(Thresholds(), **LOOSE_INK)
     # documents read earlier whose caught pages still wait for their reading alone (a stop between the two)
