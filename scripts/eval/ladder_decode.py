@@ -126,11 +126,19 @@ def alone_key(seed: int, page: int) -> str:
 
 
 def read_lines(path: Path) -> list[dict[str, Any]]:
-    """The JSON lines of ``path`` (a line cut by a stop is skipped: its item is decoded again)."""
-    if not path.exists():
+    """The JSON lines of ``path``, or of ``path`` + ``.gz`` (a line cut by a stop is skipped: its item is decoded
+    again)."""
+    packed = path.with_name(path.name + ".gz")
+    if not path.exists() and packed.exists():
+        import gzip
+
+        text = gzip.decompress(packed.read_bytes()).decode("utf-8")
+    elif path.exists():
+        text = path.read_text(encoding="utf-8")
+    else:
         return []
     out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in text.splitlines():
         try:
             out.append(json.loads(line))
         except ValueError:
@@ -245,8 +253,7 @@ def decode_ladder(folder: Path, model: str, docs: int, seed0: int = SEED0, devic
                 counts["tokens"] += sum(len(p.ids) for p in out.pages)
                 if key[0] == "alone":
                     _, seed, p = key
-                    alone_sink.write(json.dumps({"key": alone_key(seed, p), **page_record(out.pages[0])},
-                                                ensure_ascii=False) + "\n")
+                    alone_sink.write(_line({"key": alone_key(seed, p), **page_record(out.pages[0])}))
                     alone_sink.flush()
                     counts["alone"] += 1
                     continue
@@ -262,7 +269,7 @@ def decode_ladder(folder: Path, model: str, docs: int, seed0: int = SEED0, devic
                         doc["open"] += 1
                 if doc["open"] == 0:
                     del doc["open"]
-                    doc_sink.write(json.dumps(doc, ensure_ascii=False) + "\n")
+                    doc_sink.write(_line(doc))
                     doc_sink.flush()
                     counts["documents"] += 1
                     counts["pages"] += doc["rung"]["pages"]
@@ -287,6 +294,10 @@ def decode_ladder(folder: Path, model: str, docs: int, seed0: int = SEED0, devic
         sink.write(json.dumps(record) + "\n")
     print(("stopped: " + stopped if stopped else "done") + "; " + json.dumps(record), flush=True)
     return record
+
+
+def _line(item: dict[str, Any]) -> str:
+    return json.dumps(item, ensure_ascii=False, separators=(",", ":")) + "\n"
 
 
 def _progress(t0: float, t_load: float, counts: dict, decoder, waiting: int, to_render: int) -> None:
