@@ -158,7 +158,8 @@ def table(args) -> None:
     record = {"command": " ".join(["python -m scripts.eval.grades", *args.argv]),
               "model": args.model, "decoded_mode": docs[0].get("mode"),
               "decoded_on": runs[-1]["environment"] if runs else None,
-              "documents": len(docs), "thresholds": asdict(t), "halves": halves,
+              "documents": len(docs), "thresholds_from": "chosen on the labelled half" if args.fit else
+              f"of {args.config or 'config.toml'}", "thresholds": asdict(t), "halves": halves,
               "repairs": {"pages": sum(k in ("alone", "chunk") for k in kept), "kept_alone": kept.count("alone"),
                           "caught_without_reading_alone": kept.count("no reading alone")},
               "by_axis": _by_axis([r for r in rows if r["half"] == "held_out"]),
@@ -264,7 +265,7 @@ def _by_axis(rows: list[dict]) -> dict:
 
 
 def _format(rec: dict) -> str:
-    lines = [f"{rec['documents']} documents; thresholds from config"]
+    lines = [f"{rec['documents']} documents; thresholds {rec['thresholds_from']}"]
     for h, s in rec["halves"].items():
         lines.append(f"\n{h}: {s['pages']} pages, {s['bad_pages']} with CER > 0.10; recall of poor "
                      f"{s['recall_poor']}, precision {s['precision_poor']}, good median CER {s['good_cer_median']}, "
