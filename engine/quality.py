@@ -42,16 +42,16 @@ class Thresholds:
 
     distinct_20_poor: float = 0.80  # Distinct-20 below this: poor (repetition)
     distinct_20_fair: float = 0.95
-    mean_logprob_poor: float = -1.5  # mean log-probability of the emitted tokens below this: poor
-    mean_logprob_fair: float = -0.5
+    mean_logprob_poor: float = -0.15  # mean log-probability of the emitted tokens below this: poor
+    mean_logprob_fair: float = -0.08
     unsure_word_prob: float = 0.5  # a word whose confidence is below this is one the model was unsure of ...
-    unsure_words_poor: float = 0.30  # ... and a share of such words above this: poor
+    unsure_words_poor: float = 0.25  # ... and a share of such words above this: poor
     unsure_words_fair: float = 0.10
     ink_min_chars: int = 40  # compare the text with the print on the page when either has at least this many chars
     ink_short: float = 0.4  # characters read / characters of print measured on the page below this: poor
     ink_long: float = 2.5  # ... above this: poor
     ink_short_fair: float = 0.6
-    ink_long_fair: float = 1.7
+    ink_long_fair: float = 2.0
     repeat_share: float = 0.5  # a page whose character 8-grams are this much on another page repeats it ...
     repeat_min_chars: int = 40  # ... when it has at least this many characters
     low_confidence_prob: float = 0.5  # a token whose probability is below this is low-confidence (a figure)

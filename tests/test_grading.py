@@ -137,7 +137,7 @@ class CopyingDecoder:
         body = "".join(("<PAGE>" if len(pages) > 1 else "") + f"<|det|>text [60, 60, 900, 300]<|/det|>{t}"
                        for t in texts)
         n = len(body)
-        lps = [-0.3] * n if len(pages) == 1 else [-0.2] * (n - len(texts[-1])) + [-0.01] * len(texts[-1])
+        lps = [-0.03] * n if len(pages) == 1 else [-0.02] * (n - len(texts[-1])) + [-0.01] * len(texts[-1])
         res = DecodeResult(prompt_ids=[0] * 10, output_ids=list(range(n)), finish_reason="eos", seconds=0.1,
                            text=body, prompt_kind="multi" if len(pages) > 1 else "single", n_pages=len(pages),
                            logprobs=lps)
@@ -222,7 +222,7 @@ class MergingDecoder(CopyingDecoder):
                        for t in texts)
         res = DecodeResult(prompt_ids=[0] * 10, output_ids=list(range(len(body))), finish_reason="eos", seconds=0.1,
                            text=body, prompt_kind="multi" if len(pages) > 1 else "single", n_pages=len(pages),
-                           logprobs=[-0.1] * len(body))
+                           logprobs=[-0.02] * len(body))
         return assemble(res, len(pages), hit_context=False)
 
 
