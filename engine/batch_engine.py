@@ -86,13 +86,15 @@ class BatchEngine:
     `BlockDrafterNet` (drafts when the chunk has no full copy source, unless block_beside_copies).
     prefix_capacity: prefix tokens the rows hold from the start (grown on demand). vision_group: pages per vision
     batch; padded to it with batch-invariant kernels. drafter_factory(request) -> host drafters, replacing the
-    named ones (benchmarks feed drafts of a controlled quality)."""
+    named ones (benchmarks feed drafts of a controlled quality). adaptive_width False: every step runs the widest
+    draft its rows want (no `engine.step_width` choice), for tests and for measuring the draft policy alone."""
 
     def __init__(self, loaded: LoadedModel, mode: str = "lossless", *, max_batch: int = 1, k_max: int = 16,
                  drafters: tuple[str, ...] = DRAFTERS, fast_threshold: float = 0.3, block_net=None,
                  block_beside_copies: bool = False, block_sits_out: bool = True, block_full_k: bool = False,
                  graphs: str | bool = "auto", kernels: str = "torch", moe: str = "auto", attn: str = "auto",
-                 linear: str = "auto", prefix_capacity: int = 0, vision_group: int = 8, drafter_factory=None):
+                 linear: str = "auto", prefix_capacity: int = 0, vision_group: int = 8, drafter_factory=None,
+                 adaptive_width: bool = True):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         if set(drafters) - set(DRAFTERS) or k_max < 1 or max_batch < 1 or not 0.0 < fast_threshold <= 1.0:
@@ -105,7 +107,7 @@ class BatchEngine:
         self.drafter_names, self.fast_threshold = tuple(drafters), fast_threshold
         self.block_beside_copies, self.block_sits_out, self.block_full_k = \
             block_beside_copies, block_sits_out, block_full_k
-        self.drafter_factory = drafter_factory
+        self.drafter_factory, self.adaptive_width = drafter_factory, adaptive_width
         self.rules = {kind: official_rule(loaded, kind) for kind in ("single", "multi")}
         self.eos = loaded.eos_token_id
         self.strict = frozenset(i for i in (self.eos, loaded.page_sep_id) if i is not None)
@@ -245,7 +247,9 @@ class BatchEngine:
         drafting = self.mode != "plain" and self._drafting_pays()
         plans = [r.plan() if drafting else (None, [], 0) for r in live]
         w = 1
-        if drafting:
+        if drafting and not self.adaptive_width:
+            w = bucket(1 + max(len(d) or k for _, d, k in plans), self.widths)
+        elif drafting:
             wants = [self._accept_at(row, name, len(d) or k) for row, (name, d, k) in zip(live, plans)]
             w = self.step_width.choose(n, wants, any(k for _, _, k in plans))
             self._plain_streak = self._plain_streak + 1 if w == 1 else 0

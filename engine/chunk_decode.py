@@ -366,7 +366,7 @@ def load_decoder(path: str, device: str = "auto", dtype: str = "auto", mode: str
     if mode == "official":
         return OfficialDecoder(loaded)
     if kernels == "auto":
-        kernels = "invariant" if loaded.device.type == "cuda" and loaded.dtype != torch.float32 else "torch"
+        kernels = default_kernels(loaded)
     prefix = prompt_length(loaded, max(1, max_pages_per_chunk)) if max_pages_per_chunk else 0
     net = load_block_drafter(loaded) if mode != "plain" else None
     if max_batch == "auto":
@@ -375,6 +375,12 @@ def load_decoder(path: str, device: str = "auto", dtype: str = "auto", mode: str
     engine = BatchEngine(loaded, mode, max_batch=int(max_batch), block_net=net, kernels=kernels,
                          prefix_capacity=prefix, **extra)
     return EngineDecoder(engine)
+
+
+def default_kernels(loaded: LoadedModel) -> str:
+    """The step kernels for ``loaded`` (`engine.forward`): ``invariant`` in bf16/fp16 on CUDA, so that a chunk's
+    tokens do not depend on its batch; ``torch`` otherwise (fp32 is exact with either)."""
+    return "invariant" if loaded.device.type == "cuda" and loaded.dtype != torch.float32 else "torch"
 
 
 def load_block_drafter(loaded):

@@ -3,7 +3,7 @@
 ``batched_gemv(linear, x)`` equals ``linear(x)``: one GEMV per row of ``x``, batched (matmul of the weight
 [1, out, in] with the rows [T, in, 1]). Why: in fp32 on an H200 cuBLAS picks a ~31 us ``xmma_gemm_f32f32``
 kernel for [8-9, 384] x [384, 384] where width 4 takes ~7 us and the batched GEMV ~3 us at every width 1-17
-(scripts/profile_linear.py, docs/results/profile_linear_h200_2026-12-04.json). Each row is computed as a
+(docs/results/profile_linear_h200_2026-12-04.json). Each row is computed as a
 single-token step computes it.
 
 ``with_gemv_linears(module)`` is a copy of a module tree whose ``nn.Linear`` children run ``batched_gemv``; it

@@ -50,7 +50,6 @@ class ModelSettings(_Section):
 class EngineSettings(_Section):
     mode: Literal["official", "plain", "lossless", "fast"] = "lossless"
     fast_threshold: float = Field(default=0.3, gt=0.0, le=1.0)  # fast mode: accept a draft token at this probability
-    compile_step: bool = False  # torch.compile the CUDA decode step (plain/lossless): faster steps, slow first chunk
     max_pages_per_chunk: int = Field(default=16, ge=1)
     context_limit: int = Field(default=32_768, ge=512)
     context_margin: float = Field(default=0.1, ge=0.0, lt=1.0)

@@ -6,7 +6,7 @@ model's generator (scripts/synth, seeds 860,000+, never trained on), each a PDF 
 ``--pages``-page chunks; figures are summed over the N (issue 5's benchmark: 20 pages of the demo model).
 Runs, each checked token for token against official:
 - official         transformers generate() (engine.official)
-- plain            engine.speculative, no drafts (one token per forward)
+- plain            engine.batch_engine at batch 1, no drafts (one token per forward)
 - lossless         reference drafter fed the PDF text layer, plus the markup and ngram drafters (the default set)
 - lossless-replay  replay drafter fed the official output ids (a re-run of the same pages)
 - always-wrong     replay drafter fed the official ids shifted by one (every draft token rejected)
@@ -100,12 +100,11 @@ def synth_jobs(n_docs: int, n_pages: int, tmp: Path) -> list[tuple[list, list[st
 
 def run_benchmark(model_path: str, n_pages: int, max_new_tokens: int, device: str, dtype: str, k_max: int,
                   repeat: int = 1, synth: int = 0, block: bool = True) -> dict:
+    from engine.batch_engine import BatchEngine
+    from engine.chunk_decode import default_kernels, load_block_drafter
     from engine.model import load_model
     from engine.official import official_generate
-    from engine.speculative import SpeculativeDecoder
     from ingest.render import render_pages
-
-    from engine.chunk_decode import load_block_drafter
 
     loaded = load_model(model_path, device, dtype)
     block_net = load_block_drafter(loaded) if block else None  # as uflash: the model folder's drafter
@@ -118,9 +117,18 @@ def run_benchmark(model_path: str, n_pages: int, max_new_tokens: int, device: st
             jobs = [([page.image for page in rendered], [page.text_layer or "" for page in rendered])]
     kind = "single" if n_pages == 1 else "multi"
 
+    def engine(mode: str, drafters: tuple[str, ...] = ()):
+        return BatchEngine(loaded, mode, k_max=k_max, drafters=drafters, kernels=default_kernels(loaded),
+                           block_net=block_net if "block" in drafters else None, block_beside_copies=True)
+
+    def decode(eng, images, **hints):
+        return eng.run([eng.prepare(images, max_new_tokens, **hints)])[0]  # the processor is timed too
+
     images = jobs[0][0]
     official_generate(loaded, images, kind, 8)  # warm-up of both paths (allocator, thread pools, kernels)
-    SpeculativeDecoder(loaded, mode="lossless", k_max=k_max).generate(images, 32, replay_ids=[0] * 32)
+    warm = engine("lossless", ("replay",))
+    warm.run([warm.prepare(images, 32, replay_ids=[0] * 32)])
+    engines = {}
     names = ("official", "plain", "lossless", "lossless-replay", "always-wrong")
     names += ("lossless+block", "block") if block_net is not None else ()
     totals = {name: {"tokens": 0, "seconds": 0.0, "forwards": 0, "verify_rounds": 0, "accepted_tokens": 0,
@@ -142,12 +150,10 @@ def run_benchmark(model_path: str, n_pages: int, max_new_tokens: int, device: st
             runs["lossless+block"] = ("lossless", ("reference", "markup", "ngram", "block"), {"reference_texts": texts})
             runs["block"] = ("lossless", ("block",), {})
         for name, (mode, drafters, hints) in runs.items():
-            decoder = SpeculativeDecoder(loaded, mode=mode, k_max=k_max, drafters=drafters,
-                                         block_net=block_net if "block" in drafters else None,
-                                         block_beside_copies=True)
-            res, seconds = best_of(repeat, partial(decoder.generate, images, max_new_tokens, **hints))
-            _add(totals[name], len(res.output_ids), seconds, res.extra["speculative"]["forwards"],
-                 res.extra["speculative"], res.output_ids == reference, first_difference(res.output_ids, reference))
+            eng = engines.setdefault(name, engine(mode, drafters))  # one engine a run, as one worker keeps one
+            res, seconds = best_of(repeat, partial(decode, eng, images, **hints))
+            _add(totals[name], len(res.output_ids), seconds, res.stats["forwards"], res.stats,
+                 res.output_ids == reference, first_difference(res.output_ids, reference))
     official_seconds = totals["official"]["seconds"]
     results = {}
     for name, t in totals.items():

@@ -108,16 +108,16 @@ def make_settings(folder: Path, args: argparse.Namespace, mode: str, fast_thresh
 
 
 def decoder_factory(loaded, args: argparse.Namespace):
-    from engine.chunk_decode import OfficialDecoder, load_block_drafter
-    from engine.speculative import SpeculativeDecoder
+    from engine.batch_engine import BatchEngine
+    from engine.chunk_decode import EngineDecoder, OfficialDecoder, default_kernels, load_block_drafter
 
     block_net = None if args.no_block else load_block_drafter(loaded)  # as uflash: the model folder's drafter
 
     def make(mode: str, fast_threshold: float = 0.3):
         if mode == "official":
             return OfficialDecoder(loaded)
-        return SpeculativeDecoder(loaded, mode=mode, fast_threshold=fast_threshold,
-                                  block_net=block_net if mode != "plain" else None)
+        return EngineDecoder(BatchEngine(loaded, mode, fast_threshold=fast_threshold, kernels=default_kernels(loaded),
+                                         block_net=block_net if mode != "plain" else None))
 
     make.block_drafter = block_net is not None
     return make

@@ -15,9 +15,9 @@ as chunks of 1-4 pages (`--page-seed 1200000 --multi-frac 0.5 --multi-pages 4 --
 1. Pages: your own (`--images DIR`: PDFs, TIFFs, PNGs, JPEGs, rendered as uflash renders them) or synthetic
    image-only pages (`scripts.synth`, scan effects, training seeds >= 1,000,000; `--workers` render them).
 2. Teacher data, one forward per page under the R-SWA mask (`engine.drafters.block_teacher`):
-   `--data decode` (the default for your own pages): the target decodes the page (`plain` on the fast path, or
-   `lossless` with the `--init` drafter: the same tokens, faster) and the forward over its output must reproduce
-   every greedy token;
+   `--data decode` (the default for your own pages): the target decodes the pages, up to 64 chunks in one batch
+   (`plain`, or `lossless` with the `--init` drafter: the same tokens), and the forward over each output must
+   reproduce every greedy token;
    `--data labels` (the default for synthetic pages): the forward runs over the page's label tokens and keeps the
    target's greedy choice at each position; blocks are cut where the label leaves the greedy path. No decode:
    many times more pages a minute. `--multi-frac F` makes a share F of the sequences (either kind of data)
@@ -30,8 +30,9 @@ as chunks of 1-4 pages (`--page-seed 1200000 --multi-frac 0.5 --multi-pages 4 --
    position and the tau it implies (leading drafts that match the target's greedy chain), logged while training.
 5. Saved to `<model>/drafter` (or `--out`): uflash's lossless and fast modes use it from then on. `--init FOLDER`
    continues training a saved drafter (its shape and target layers), e.g. on new pages (`--page-seed`).
-6. Live check (`--eval-pages`): `lossless` with the block drafter alone against `plain` on pages never trained
-   on, both on the fast path: token-identical, tau, acceptance by position, speed ratio.
+6. Live check (`--eval-pages`, `scripts/drafter_live_check.py`): `lossless` with the block drafter alone against
+   `plain` on pages never trained on, each chunk alone (or all in one batch, `--eval-batch`): token-identical,
+   tau, acceptance by position, speed ratio.
 Prints a table, then one JSON line.
 """
 
@@ -59,6 +60,7 @@ from engine.drafters.block_teacher import (label_features, make_examples, teache
 from scripts.drafter_live_check import chunked, evaluate  # noqa: E402
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".tif", ".tiff"}
+DECODE_BATCH = 64  # chunks in flight while decoding teacher pages
 
 
 def _synthetic_page(seed: int):
@@ -109,18 +111,30 @@ def folder_pages(folder: Path, limit: int) -> list:
 
 def decode_plain(loaded, chunks: list[list], max_new_tokens: int, desc: str,
                  drafter: BlockDrafterNet | None = None) -> list[list[int]]:
-    """The target's own greedy outputs of each chunk (a list of page images; ``max_new_tokens`` per page), on the
-    engine's fast path (CUDA graphs on a GPU). With ``drafter``: `lossless` with that block drafter alone, the same
-    tokens (the engine's contract, tested) in about half the time."""
-    from engine.fast_decoder import FastDecoder
+    """The target's own greedy outputs of each chunk (a list of page images; ``max_new_tokens`` per page), in one
+    batched engine run (`engine.batch_engine`: up to DECODE_BATCH chunks in flight, CUDA graphs on a GPU; each
+    chunk's tokens are those of official generate() of it alone). With ``drafter``: `lossless` with that block
+    drafter alone, the same tokens. The processor runs on a chunk only when a row is free for it."""
+    from engine.batch_engine import BatchEngine
+    from engine.chunk_decode import default_kernels
 
+    options = {"max_batch": max(1, min(len(chunks), DECODE_BATCH)), "kernels": default_kernels(loaded)}
     if drafter is None:
-        decoder = FastDecoder(loaded, mode="plain")
+        engine = BatchEngine(loaded, "plain", **options)
     else:
-        decoder = FastDecoder(loaded, mode="lossless", k_max=drafter.config.block, drafters=("block",),
-                              block_net=drafter.to(device=loaded.device, dtype=loaded.dtype))
-    return [decoder.generate(chunk, max_new_tokens * len(chunk)).output_ids
-            for chunk in tqdm(chunks, desc=desc, unit="chunk")]
+        engine = BatchEngine(loaded, "lossless", k_max=drafter.config.block, drafters=("block",),
+                             block_net=drafter.to(device=loaded.device, dtype=loaded.dtype), **options)
+    waiting = list(enumerate(chunks))[::-1]
+    outputs: dict[int, list[int]] = {}
+    with tqdm(total=len(chunks), desc=desc, unit="chunk") as bar:
+        while waiting or engine.busy:
+            while waiting and len(engine.pending) < engine.row_limit - engine.active:
+                i, chunk = waiting.pop()
+                engine.submit(engine.prepare(chunk, max_new_tokens * len(chunk), key=i))
+            for res in engine.step():
+                outputs[res.request.key] = res.output_ids
+                bar.update()
+    return [outputs[i] for i in range(len(chunks))]
 
 
 def label_ids(loaded, label: str) -> list[int]:
@@ -290,9 +304,8 @@ def live_check(loaded, net: BlockDrafterNet, args) -> dict:
     held, _ = synthetic_pages(args.eval_pages, 850_000, args.workers)  # held-out seeds (< 1,000,000)
     warmup = [synthetic_pages(size, 849_000, args.workers)[0]] if args.eval_warmup else []
     return evaluate(loaded, net, chunked(held, size), args.max_new_tokens, k_max=args.eval_k_max or net.config.block,
-                    moe=args.moe, linear=args.linear, attn=args.attn, draft_linear=args.draft_linear,
-                    block_sits_out=not args.no_sit_out, compile_draft=args.compile_draft, warmup=warmup,
-                    block_full_k=args.block_full_k, device_drafts=not args.host_drafts)
+                    block_sits_out=not args.no_sit_out, block_full_k=args.block_full_k, warmup=warmup,
+                    batch=args.eval_batch)
 
 
 def decoded_heldout(loaded, net: BlockDrafterNet, args) -> dict:
@@ -360,21 +373,10 @@ def main(argv=None) -> int:
     ap.add_argument("--anchors", type=int, default=16, help="anchors per page in a batch")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--moe", default="auto", help="live check: the static step's routed-expert implementation "
-                    "(auto, gather, grouped, dense, mixed; engine/static_moe.py)")
-    ap.add_argument("--linear", default="auto", help="live check: the static step's projections (auto, torch, bmv; "
-                    "engine/static_runner.py)")
-    ap.add_argument("--attn", default="auto",
-                    help="live check: the static step's attention (auto, sdpa, matmul, matmul_t)")
-    ap.add_argument("--draft-linear", default="torch",
-                    help="live check: the block drafter's static forward (torch, bmv; engine/drafters/block_static.py)")
-    ap.add_argument("--compile-draft", action="store_true",
-                    help="live check: torch.compile the static drafter's forward (engine/drafters/block_static.py)")
-    ap.add_argument("--host-drafts", action="store_true",
-                    help="live check: the host reads each block draft before its verify (two syncs a round; the "
-                    "default keeps drafts on the device, engine/drafters/block_static.py)")
+    ap.add_argument("--eval-batch", action="store_true",
+                    help="live check: every chunk in one batch on each side (default: each chunk alone, batch 1)")
     ap.add_argument("--eval-warmup", action=argparse.BooleanOptionalAction, default=True,
-                    help="live check: both sides decode one chunk of other pages first, untimed (capture, compile)")
+                    help="live check: both sides decode one chunk of other pages first, untimed (graph capture)")
     ap.add_argument("--block-full-k", action="store_true",
                     help="live check: the block drafter always drafts its whole block (no K cut after a miss)")
     ap.add_argument("--no-sit-out", action="store_true",

@@ -2,11 +2,13 @@
 models): batches of up to 5 rows, 1- and 3-page chunks, more chunks than rows (admissions while others decode),
 chunks that end early, drafts always right, half right and always wrong, the no-repeat rule firing, windows
 4/8/128, a 3-page chunk long enough for the 1024-token rule window to slide. Then the batch-level parts: the step
-width chooser, the block drafter for all rows, out-of-memory shrinking, constant memory. The CUDA tests at the end
-run only where CUDA is available (the GPU machine)."""
+width chooser, the block drafter for all rows, out-of-memory shrinking, constant memory, the other torch
+implementations of the step, widths and buckets, log-probabilities, the fallback to eager steps when a CUDA graph
+cannot be captured. The CUDA tests at the end run only where CUDA is available (the GPU machine)."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -15,8 +17,10 @@ import torch
 import engine.acceptance
 from engine.batch_engine import BatchEngine
 from engine.drafters.suffix_match import ReplayDrafter
+from engine.kv_slots import PREFIX_BUCKETS, bucket, pow2_buckets
 from engine.model import load_model
 from engine.official import official_generate
+from engine.step_graphs import GraphCaptureError, StepGraphs, cuda_graphs_available
 from engine.step_width import StepWidth, expected_tokens
 from engine.tiny import build_tiny_model
 from tests.conftest import text_page
@@ -235,6 +239,135 @@ def test_invariant_kernel_pieces_match_torch():
         assert torch.allclose(out[slot[pair]], weights[e] @ xs[pair], atol=1e-4)
 
 
+@pytest.mark.parametrize("option", [dict(moe="gather"), dict(moe="dense"), dict(moe="mixed"), dict(attn="sdpa"),
+                                    dict(attn="matmul"), dict(linear="bmv")], ids=lambda o: "-".join(o.values()))
+def test_other_torch_implementations_equal_official(models, official, option):
+    """The step's other routed-expert, attention and projection implementations (`engine.forward`), plain and with
+    drafts half right: every chunk of a batch still equals official."""
+    loaded = models[8]
+    expected = [official(8, i) for i in range(len(CHUNKS))]
+    assert [r.output_ids for r in decode_all(loaded, expected, "plain", 3, **option)] == expected
+    assert [r.output_ids for r in decode_all(loaded, expected, "lossless", 3, drafts="half", **option)] == expected
+
+
+@pytest.mark.parametrize("k_max", [1, 3, 32])
+def test_widths_and_padding_around_the_window(models, official, k_max):
+    """k_max 3: widths 1, 2, 4 (a 3-token draft runs padded to 4); 32: a ring of 4 + 33 - 1 -> 48 slots, wider
+    than the window many times over."""
+    loaded = models[4]
+    engine = BatchEngine(loaded, "lossless", k_max=k_max)
+    assert engine.widths == {1: [1, 2], 3: [1, 2, 4], 32: [1, 2, 4, 8, 16, 32, 33]}[k_max]
+    assert engine.kv.ring_size == {1: 16, 3: 16, 32: 48}[k_max]
+    expected = [official(4, i) for i in range(len(CHUNKS))]
+    for how in ("right", "half"):
+        results = decode_all(loaded, expected, "lossless", 3, drafts=how, name=4, k_max=k_max)
+        assert [r.output_ids for r in results] == expected, (k_max, how)
+
+
+def test_buckets():
+    assert pow2_buckets(17) == [1, 2, 4, 8, 16, 17] and pow2_buckets(16) == [1, 2, 4, 8, 16]
+    assert pow2_buckets(1) == [1] and pow2_buckets(5) == [1, 2, 4, 5]
+    assert bucket(273 + 6, PREFIX_BUCKETS) == 384 and bucket(16 * 273 + 6, PREFIX_BUCKETS) == 4608
+    with pytest.raises(ValueError):
+        bucket(10**9, PREFIX_BUCKETS)
+    with pytest.raises(ValueError):
+        pow2_buckets(0)
+
+
+def test_logprobs_and_fast_mode_at_threshold_one(models, official):
+    """Each emitted token's log-probability is official's (plain, and lossless with drafts); fast mode at threshold
+    1 accepts only what lossless accepts."""
+    loaded = models[8]
+    expected = [official(8, i) for i in range(len(CHUNKS))]
+    reference = [official_generate(loaded, c, "single" if len(c) == 1 else "multi", limit(8, i)).logprobs
+                 for i, c in enumerate(CHUNKS)]
+    for mode, drafts, threshold in (("plain", None, 0.3), ("lossless", "half", 0.3), ("fast", "half", 1.0)):
+        results = decode_all(loaded, expected, mode, 3, drafts=drafts, fast_threshold=threshold)
+        assert [r.output_ids for r in results] == expected, mode
+        assert sum(r.stats["relaxed_tokens"] for r in results) == 0
+        for r, want in zip(results, reference):
+            torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(want), rtol=1e-4, atol=1e-4)
+
+
+def test_logprobs_are_python_floats_that_json_can_store(models, official):
+    """The worker stores each page's log-probabilities and quality figures as JSON: every log-probability must be a
+    Python float, those of verified drafts included (not numpy scalars from the step's summary)."""
+    loaded = models[8]
+    expected = [official(8, i) for i in range(len(CHUNKS))]
+    results = decode_all(loaded, expected, "lossless", 3, drafts="half")
+    assert [r.output_ids for r in results] == expected
+    kinds = {type(lp).__name__ for r in results for lp in r.logprobs}
+    assert kinds == {"float"}, kinds
+    json.dumps([r.logprobs for r in results])
+
+
+def test_moe_auto_choice():
+    from engine.static_moe import resolve
+
+    assert resolve("auto", torch.device("cpu"), torch.float32) == "grouped"
+    assert resolve("auto", torch.device("cuda"), torch.bfloat16) == "grouped"
+    assert resolve("auto", torch.device("cuda"), torch.float32) == "gather"  # grouped_mm is bf16-only on CUDA
+    assert resolve("dense", torch.device("cuda"), torch.float32) == "dense"
+    with pytest.raises(ValueError):
+        resolve("sparse", torch.device("cpu"), torch.float32)
+
+
+def test_without_cuda_the_engine_runs_eagerly(models, official):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: auto means graphs")
+    engine = BatchEngine(models[8], "plain")
+    assert engine.graphs is None and not cuda_graphs_available()[0]
+    (res,) = engine.run([engine.prepare(CHUNKS[0], limit(8, 0))])
+    assert res.output_ids == official(8, 0) and res.stats["backend"] == "eager"
+    with pytest.raises(GraphCaptureError):
+        StepGraphs(lambda key: (), "cuda")
+
+
+def test_a_failed_graph_capture_falls_back_to_eager_steps_and_loses_nothing(models, official):
+    class Failing:
+        """Stands in for `StepGraphs` whose capture fails (a host sync in a kernel, out of memory ...)."""
+
+        captured = 0
+
+        def __init__(self):
+            self.tried = []
+
+        def has(self, key):
+            return False
+
+        def capture(self, key):
+            self.tried.append(key)
+            raise GraphCaptureError(f"capture of {key} failed: simulated")
+
+        replay = capture
+
+        def clear(self):
+            pass
+
+    loaded = models[8]
+    expected = [official(8, i) for i in range(len(CHUNKS))]
+    vocab = loaded.model.config.text_config.vocab_size
+    engine = BatchEngine(loaded, "lossless", max_batch=3, drafter_factory=lambda r: [ReplayDrafter(r.replay_ids)])
+    engine.graphs = failing = Failing()
+    results = engine.run([engine.prepare(c, limit(8, i), replay_ids=corrupt(ids, vocab, "half", i))
+                          for i, (c, ids) in enumerate(zip(CHUNKS, expected))])
+    assert [r.output_ids for r in results] == expected
+    assert len(failing.tried) == 1 and engine.graphs is None  # tried once, then every step ran eagerly
+    assert {r.stats["backend"] for r in results} == {"eager"}
+
+
+def test_graphs_kept_for_the_most_recently_used_prefix_buckets():
+    graphs = object.__new__(StepGraphs)  # the bookkeeping only: no CUDA needed
+    graphs.graphs, graphs._recent, graphs.max_groups = {}, [], 2
+    for prefix_bucket in [384, 4608, 384, 512]:
+        graphs.touch(prefix_bucket)
+        for rows, width in [(1, 1), (4, 2)]:
+            graphs.graphs.setdefault((rows, width, prefix_bucket), ("graph", ()))
+    assert sorted(graphs.graphs) == [(1, 1, 384), (1, 1, 512), (4, 2, 384), (4, 2, 512)]  # 4608: least recent
+    graphs.clear()
+    assert not graphs.graphs and not graphs._recent
+
+
 # --- CUDA (the GPU machine) ---------------------------------------------------------------------------------------
 
 @CUDA
@@ -248,6 +381,27 @@ def test_cuda_graph_batches_equal_official_fp32(tmp_path, window):
         results = decode_all(loaded, expected, mode, 3, drafts=drafts, name=window)
         assert [r.output_ids for r in results] == expected, (mode, drafts)
         assert results[0].stats["backend"] == "graphs"
+
+
+@CUDA
+def test_cuda_graphs_with_the_block_drafter_equal_official_fp32(tmp_path):
+    """The block drafter's own graphs (`engine.drafters.block_rows`) beside the step graphs: every chunk exact."""
+    from engine.drafters.block import BlockDrafterConfig, BlockDrafterNet
+
+    folder = build_tiny_model(tmp_path / "m", sliding_window=8, seed=0)
+    loaded = load_model(str(folder), "cuda", "float32")
+    expected = [official_generate(loaded, c, "single" if len(c) == 1 else "multi", limit(8, i)).output_ids
+                for i, c in enumerate(CHUNKS)]
+    hidden = loaded.model.config.text_config.hidden_size
+    torch.manual_seed(0)
+    net = BlockDrafterNet(BlockDrafterConfig(target_hidden=hidden, layers=[0, 2], block=4, context=8, dim=32,
+                                             num_layers=1, num_heads=2, memory=True)).to("cuda").eval()
+    engine = BatchEngine(loaded, "lossless", max_batch=3, block_net=net.requires_grad_(False), drafters=("block",),
+                         block_sits_out=False, adaptive_width=False)
+    results = engine.run([engine.prepare(c, limit(8, i)) for i, c in enumerate(CHUNKS)])
+    assert [r.output_ids for r in results] == expected
+    assert results[0].stats["backend"] == "graphs" and engine.block.graphs is not None
+    assert sum(r.stats["drafters"]["block"]["rounds"] for r in results) > 0
 
 
 @CUDA

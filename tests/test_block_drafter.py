@@ -1,22 +1,26 @@
-"""The block drafter (issue 7) on CPU, tiny random targets: output stays token-identical to official, the features
-it is fed online equal the R-SWA teacher features, teacher data refuses tokens the target would not choose, and
+"""The block drafter on CPU, tiny random targets: output stays token-identical to official, the features the batched
+engine feeds it equal the R-SWA teacher features, its drafts for a batch of rows equal the network's draft of each
+row alone, the draft policy's rules, teacher data refuses tokens the target would not choose, and
 `scripts/train_drafter.py` runs end to end (loss falls; uflash then loads and uses the drafter)."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
+from engine.batch_engine import BatchEngine
 from engine.chunk_decode import load_decoder
-from engine.drafters.block import BlockDrafter, BlockDrafterConfig, BlockDrafterNet
-from engine.drafters.block_static import StaticBlockDrafter
+from engine.drafters.block import BlockDrafterConfig, BlockDrafterNet
+from engine.drafters.block_rows import BlockRows
 from engine.drafters.block_teacher import TeacherMismatch, label_features, make_examples, teacher_features
 from engine.drafters.policy import DraftPolicy
 from engine.model import load_model
 from engine.official import official_generate
-from engine.speculative import SpeculativeDecoder
+from engine.rows import make_drafters
 from engine.tiny import build_tiny_model
 from tests.conftest import text_page
 
@@ -40,22 +44,12 @@ def _net(loaded, context=16, block=6, seed=0, memory=False):
     return BlockDrafterNet(config).eval().requires_grad_(False)
 
 
-class Recording(SpeculativeDecoder):
-    """Keeps the drafters of its last decode (to look at the block drafter's state afterwards)."""
-
-    def _drafters(self, kind, reference_texts, replay_ids):
-        self.last_drafters = super()._drafters(kind, reference_texts, replay_ids)
-        return self.last_drafters
-
-
-def _assert_memory_is_the_prompt(block, net, teacher):
-    """The page memory the drafter read equals the memory of the teacher's prompt features."""
-    if not net.config.memory:
-        assert block._memory is None
-        return
-    expected = net.encode_memory(teacher.features[None, : teacher.prompt_len])
-    for (k, v), (ek, ev) in zip(block._memory.kv, expected.kv):
-        assert torch.allclose(k, ek, atol=1e-4) and torch.allclose(v, ev, atol=1e-4)
+def _decode(loaded, pages, **options):
+    """One chunk through a BatchEngine in lossless mode (k_max 6; every step as wide as its draft): (engine, result);
+    its tokens must be official's."""
+    engine = BatchEngine(loaded, "lossless", k_max=6, adaptive_width=False, **options)
+    (res,) = engine.run([engine.prepare(pages, LENGTH)])
+    return engine, res
 
 
 @pytest.mark.parametrize("n_pages,memory", [(1, False), (3, False), (3, True)])
@@ -65,38 +59,51 @@ def test_lossless_with_the_block_drafter_is_token_identical_and_fed_the_rswa_fea
     official = official_generate(tiny, pages, kind, LENGTH).output_ids
     vocab = tiny.model.config.text_config.vocab_size
     net = _net(tiny, memory=memory)
-    # replay drafts right at every other token: rounds accept 0, 1 or several tokens, so every feed size occurs
+    # replay drafts right at two tokens of three: rounds accept 0, 1 or several tokens, so every feed size occurs
     replay = [t if i % 3 else (t + 5) % vocab for i, t in enumerate(official)]
-    dec = Recording(tiny, mode="lossless", k_max=6, drafters=("block", "replay"), block_net=net,
-                    block_beside_copies=True, replay_k_max=6)
-    res = dec.generate(pages, LENGTH, replay_ids=replay)
+    engine = BatchEngine(tiny, "lossless", k_max=6, drafters=("block", "replay"), block_net=net,
+                         block_beside_copies=True, adaptive_width=False)
+    (res,) = engine.run([engine.prepare(pages, LENGTH, replay_ids=replay)])
     assert res.output_ids == official
-    stats = res.extra["speculative"]["drafters"]
+    stats = res.stats["drafters"]
     assert stats["block"]["rounds"] > 0 and stats["replay"]["accepted"] > 0
     assert len(stats["replay"]["acceptance_by_position"]) == 6
 
-    block = next(d for d in dec.last_drafters if isinstance(d, BlockDrafter))
+    # the drafter's state of row 0 after the chunk: the features of every input but the last emitted token
+    block, C = engine.block, net.config.context
     teacher = teacher_features(tiny, pages, official, net.config.layers)
-    end = teacher.prompt_len + len(official) - 1  # every input but the last emitted token
-    assert block.fed == end
-    expected = teacher.features[end - net.config.context : end]
-    assert torch.allclose(block._buffer, expected, atol=1e-4), (block._buffer - expected).abs().max()
-    _assert_memory_is_the_prompt(block, net, teacher)
+    end = teacher.prompt_len + len(official) - 1
+    assert block.fed[0] == end
+    in_order = torch.as_tensor((block.fed[0] + np.arange(C)) % C)
+    got, want = block.ctx[0, in_order], teacher.features[end - C : end]
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+    if memory:  # the page memory: the teacher's prompt features projected, padding masked and zero
+        P = teacher.prompt_len
+        assert block.mem_capacity >= P
+        assert block.allowed[0, 0, 0].tolist() == [True] * P + [False] * (block.mem_capacity - P)
+        expected = net.encode_memory(teacher.features[None, :P])
+        for (k, v), (ek, ev) in zip(block.kv, expected.kv):
+            assert torch.allclose(k[0, :, :P], ek[0], atol=1e-4) and torch.allclose(v[0, :, :P], ev[0], atol=1e-4)
+            assert not k[0, :, P:].any() and not v[0, :, P:].any()
+    else:
+        assert block.kv == [] and block.mem_capacity == 0
 
-    alone = SpeculativeDecoder(tiny, mode="lossless", k_max=6, drafters=("block",), block_net=net)
-    assert alone.generate(pages, LENGTH).output_ids == official
-    eager = Recording(tiny, mode="lossless", k_max=6, drafters=("block",), block_net=net, block_sits_out=False)
-    res = eager.generate(pages, LENGTH)  # the block drafter drafts every round, even after a miss
-    benched = alone.generate(pages, LENGTH).extra["speculative"]["single_steps"]  # a random net misses: benched
-    assert res.output_ids == official and res.extra["speculative"]["single_steps"] <= 1 < benched  # 1: no room left
-    assert eager.last_drafters[0].sits_out is False and alone._drafters(kind, None, None)[0].sits_out is True
-    full = Recording(tiny, mode="lossless", k_max=6, drafters=("block",), block_net=net, block_sits_out=False,
-                     block_full_k=True)
-    res = full.generate(pages, LENGTH)  # every draft as long as the block (or the room left), misses or not
-    by_position = res.extra["speculative"]["drafters"]["block"]["acceptance_by_position"]
-    stats = res.extra["speculative"]
-    assert res.output_ids == official and full.last_drafters[0].keeps_k is True and len(by_position) == 6
-    cut = eager.generate(pages, LENGTH).extra["speculative"]  # K cut after a miss (a random net misses)
+    def drafter(engine):
+        request = SimpleNamespace(kind=kind, reference_texts=None, replay_ids=None)
+        (d,) = make_drafters(engine, request, 0)
+        return d
+
+    alone, res = _decode(tiny, pages, drafters=("block",), block_net=net)
+    assert res.output_ids == official and drafter(alone).sits_out is True
+    benched = res.stats["single_steps"]  # a random net misses: the drafter sits out rounds
+    eager, res = _decode(tiny, pages, drafters=("block",), block_net=net, block_sits_out=False)
+    cut = res.stats  # the block drafter drafts every round, even after a miss; K cut after a miss
+    assert res.output_ids == official and drafter(eager).sits_out is False
+    assert cut["single_steps"] <= 1 < benched  # 1: no room left for a draft at the end
+    full, res = _decode(tiny, pages, drafters=("block",), block_net=net, block_sits_out=False, block_full_k=True)
+    stats = res.stats  # every draft as long as the block (or the room left), misses or not
+    assert res.output_ids == official and drafter(full).keeps_k is True
+    assert len(stats["drafters"]["block"]["acceptance_by_position"]) == 6
     assert stats["draft_tokens"] / stats["verify_rounds"] > 5 > 2 * cut["draft_tokens"] / cut["verify_rounds"]
 
 
@@ -139,8 +146,8 @@ def test_policy_counts_acceptance_by_draft_position():
             return [1] * k
 
     policy = DraftPolicy([Fixed()], k_max=4)
-    assert policy.propose([], 100) == ("fixed", [1] * 4)
-    assert DraftPolicy([Fixed()], k_max=4, caps={"fixed": 9}).propose([], 100) == ("fixed", [1] * 9)
+    assert policy.propose([], 100) == ("fixed", [1] * 4, 0)
+    assert DraftPolicy([Fixed()], k_max=4, caps={"fixed": 9}).propose([], 100) == ("fixed", [1] * 9, 0)
     policy.record("fixed", 4, 2)
     policy.record("fixed", 3, 0)
     assert policy.stats["fixed"].as_dict()["acceptance_by_position"] == [0.5, 0.5, 0.0, 0.0]
@@ -161,14 +168,14 @@ def test_policy_benches_a_missing_drafter_but_never_the_replay_drafter():
     replay = ReplayDrafter([5] * 40)
     policy = DraftPolicy([Guess()], k_max=8)
     policy.record("guess", 8, 0)
-    assert policy.propose([0], 100) == (None, [])  # benched for one round
-    assert policy.propose([0], 100) == ("guess", [7] * 2)
+    assert policy.propose([0], 100) == (None, [], 0)  # benched for one round
+    assert policy.propose([0], 100) == ("guess", [7] * 2, 0)
     policy.record("guess", 2, 0)
     assert [policy.propose([0], 100)[0] for _ in range(3)] == [None, None, "guess"]  # two rounds now
     policy = DraftPolicy([replay], k_max=8, caps={"replay": 64})
-    assert policy.propose([5], 100) == ("replay", [5] * 39)
+    assert policy.propose([5], 100) == ("replay", [5] * 39, 0)
     policy.record("replay", 39, 0)
-    assert policy.propose([5], 100) == ("replay", [5] * 2)
+    assert policy.propose([5], 100) == ("replay", [5] * 2, 0)
 
 @pytest.mark.parametrize("data", [["--data", "labels", "--heldout-pages", "1"], ["--data", "decode", "--no-memory"],
                                   ["--data", "labels", "--multi-frac", "1", "--multi-pages", "2"],
@@ -191,130 +198,59 @@ def test_train_drafter_script_end_to_end_and_uflash_uses_the_result(tmp_path, da
     assert (model / "drafter" / "drafter_config.json").is_file()
 
     decoder = load_decoder(str(model), "cpu", "float32", mode="lossless")
-    assert decoder.block_net is not None and "block" in decoder.describe()["drafters"]
+    assert decoder.engine.block is not None and "block" in decoder.describe()["drafters"]
     page = [text_page(1)]
     official = official_generate(decoder.loaded, page, "single", 80).output_ids
-    res = decoder.generate(page, 80)
-    assert res.output_ids == official
-    assert "block" in res.extra["speculative"]["drafters"]
-    assert load_decoder(str(model), "cpu", "float32", mode="plain").block_net is None
+    out = decoder.decode(page, context_limit=32768, max_new_tokens=80)
+    assert out.output_ids == official
+    assert "block" in out.chunk_stats["drafters"]
+    assert load_decoder(str(model), "cpu", "float32", mode="plain").engine.block is None
 
 
-def test_the_static_runner_feeds_the_block_drafter_the_same_features(tiny):
-    """FastDecoder's static path (the CUDA-graph body, run eagerly on the CPU) with the block drafter: same tokens
-    as official, and the same fed features (and page memory) as the R-SWA teacher."""
-    from engine.fast_decoder import FastDecoder
-
-    pages = [text_page(i) for i in range(3)]
-    official = official_generate(tiny, pages, "multi", LENGTH).output_ids
-    net = _net(tiny, memory=True)
-    vocab = tiny.model.config.text_config.vocab_size
-    replay = [t if i % 3 else (t + 5) % vocab for i, t in enumerate(official)]
-    seen = {}
-
-    class RecordingFast(FastDecoder):
-        def _drafters(self, kind, reference_texts, replay_ids):
-            seen["drafters"] = super()._drafters(kind, reference_texts, replay_ids)
-            return seen["drafters"]
-
-    dec = RecordingFast(tiny, mode="lossless", k_max=6, drafters=("block", "replay"), block_net=net,
-                        backend="static", block_beside_copies=True)
-    res = dec.generate(pages, LENGTH, replay_ids=replay)
-    assert res.extra["speculative"]["backend"] == "static"
-    assert res.output_ids == official
-    assert res.extra["speculative"]["drafters"]["block"]["rounds"] > 0
-    block = next(d for d in seen["drafters"] if d.name == "block")
-    assert isinstance(block, StaticBlockDrafter)  # the static path drafts from static buffers
-    teacher = teacher_features(tiny, pages, official, net.config.layers)
-    end = teacher.prompt_len + len(official) - 1
-    assert block.fed == end
-    assert torch.allclose(block.ctx[0], teacher.features[end - net.config.context : end], atol=1e-4)
-    P = teacher.prompt_len
-    memory = block._memory[block.bucket]
-    assert block.bucket >= P and memory.allowed[0, 0, 0].tolist() == [True] * P + [False] * (block.bucket - P)
-    expected = net.encode_memory(teacher.features[None, :P])
-    for (k, v), (ek, ev) in zip(memory.kv, expected.kv):
-        assert torch.allclose(k[:, :, :P], ek, atol=1e-4) and torch.allclose(v[:, :, :P], ev, atol=1e-4)
-        assert not k[:, :, P:].any() and not v[:, :, P:].any()
-
-
-@pytest.mark.parametrize("mode", ["lossless", "fast"])
-def test_drafts_kept_on_the_device_decode_and_count_what_host_drafts_do(tiny, mode):
-    """The fast path's block drafts stay on the device (`DeviceDraft`; the verify step stages them by a device copy
-    and names them in its rows): the same tokens (official's, in lossless), the same rounds, acceptance and
-    log-probabilities as drafts read on the host first."""
-    from engine.drafters import DeviceDraft
-    from engine.fast_decoder import FastDecoder
-
-    pages = [text_page(i) for i in range(3)]
-    net = _net(tiny, memory=True)
-    results, kinds = {}, {}
-    for device_drafts in (True, False):
-        dec = FastDecoder(tiny, mode=mode, k_max=6, drafters=("block",), block_net=net, backend="static",
-                          device_drafts=device_drafts, block_sits_out=False, fast_threshold=1e-4)
-        drafter = dec.static_block
-        plain_propose = drafter.propose
-        seen = kinds[device_drafts] = set()
-
-        def spy(committed, k, propose=plain_propose, seen=seen):
-            draft = propose(committed, k)
-            seen.add(type(draft).__name__)
-            return draft
-
-        drafter.propose = spy
-        results[device_drafts] = dec.generate(pages, LENGTH)
-    assert kinds == {True: {DeviceDraft.__name__}, False: {"list"}}
-    on_device, on_host = results[True], results[False]
-    assert on_device.output_ids == on_host.output_ids and on_device.logprobs == on_host.logprobs
-    if mode == "lossless":
-        assert on_device.output_ids == official_generate(tiny, pages, "multi", LENGTH).output_ids
-    a, b = on_device.extra["speculative"], on_host.extra["speculative"]
-    assert a["device_drafts"] is True and b["device_drafts"] is False
-    for key in ("verify_rounds", "single_steps", "draft_tokens", "accepted_tokens", "relaxed_tokens", "drafters"):
-        assert a[key] == b[key], key
-    assert a["verify_rounds"] > 0 and (mode == "lossless" or a["relaxed_tokens"] > 0)
-
-
-def test_a_step_stages_a_draft_written_on_the_device_and_names_it_in_its_rows(tiny):
-    from engine.official import official_inputs
-    from engine.static_runner import StaticRswaRunner
-
-    runner = StaticRswaRunner(tiny.model, 7)
-    runner.prefill(official_inputs(tiny, [text_page(0)], "single"))
-    draft = [11, 12, 13, 14]
-    want = runner.step([5, *draft])
-    got = runner.step([5], device_tail=torch.tensor(draft))
-    assert got == want and [row[4] for row in got[:-1]] == draft
-    with pytest.raises(ValueError):
-        runner.step([5], device_tail=torch.arange(7))  # 8 tokens: wider than the runner's widest step
-
-
-@pytest.mark.parametrize("memory,linear", [(False, "torch"), (True, "torch"), (True, "bmv")])
-def test_the_static_block_drafter_drafts_what_the_eager_one_drafts(tiny, memory, linear):
-    """Same network, same feeds (the prompt, then rounds of 1, 2, 5 and 40 inputs): the static-buffer drafter
-    (padded page memory, context shifted in place; its linears as F.linear or batched GEMVs) proposes the eager
-    drafter's tokens, decode after decode."""
+@pytest.mark.parametrize("memory", [False, True])
+def test_block_rows_draft_for_every_row_what_the_network_drafts_for_it_alone(tiny, memory):
+    """`BlockRows` keeps each row's context in a ring and its page memory padded to a bucket: one draft for three
+    rows (prompts of 70, 128 and 20 inputs; rounds that commit different counts per row, 1 to 40; a row that
+    starts a new chunk half-way) equals the network's draft of each row alone, from its last C fed features and
+    its own prompt's memory."""
     net = _net(tiny, context=16, block=6, memory=memory)
     model = tiny.model
     embed, head = model.get_input_embeddings(), model.lm_head
-    static = StaticBlockDrafter(net, embed, head, graphs=False, memory_bucket=64, linear=linear)
-    width = len(net.config.layers) * model.config.text_config.hidden_size
+    rows = BlockRows(net, embed, head, max_batch=3, memory_bucket=64)
+    C, width = net.config.context, len(net.config.layers) * model.config.text_config.hidden_size
     gen = torch.Generator().manual_seed(3)
-    for prompt_len in (70, 128):  # a padded bucket, then one that fits exactly: state is reset between decodes
-        eager = BlockDrafter(net, embed, head)
-        static.start()
-        ids = [5]
-        feeds = [prompt_len, 1, 2, 5, 40, 1]
-        for n in feeds:
-            features = torch.randn(n, width, generator=gen)
-            eager.feed(features)
-            static.feed(features)
-            if n != prompt_len:
-                ids += [(7 * len(ids)) % 50 + 1 for _ in range(n)]
-            want = eager.propose(ids, 6)
-            assert want and static.propose(ids, 6) == want
-            assert static.propose(ids, 3) == want[:3]
-        assert static.bucket == (128 if memory else 0) and torch.equal(static.ctx[0], eager._buffer)
+    fed, committed = [], []
+
+    def start(row: int, prompt_len: int) -> None:
+        features = torch.randn(prompt_len, width, generator=gen)
+        rows.start(row, features)
+        if row < len(fed):
+            fed[row], committed[row] = [features], [5 + row]
+        else:
+            fed.append([features])
+            committed.append([5 + row])
+
+    for row, prompt_len in enumerate((70, 128, 20)):
+        start(row, prompt_len)
+    for turn, counts in enumerate([(1, 2, 5), (40, 1, 3), (2, 2, 2), (1, 7, 1)]):
+        if turn == 2:
+            start(1, 40)  # a new chunk in row 1: its ring and memory forget the previous one
+        features = torch.randn(3, max(counts), width, generator=gen)
+        rows.feed(dict(enumerate(counts)), features)
+        for row, count in enumerate(counts):
+            fed[row].append(features[row, :count])
+            committed[row] += [(7 * len(committed[row]) + row) % 50 + 1 for _ in range(count)]
+        assert all(rows.ready(row, committed[row]) for row in range(3))
+        got = rows.draft(3, np.array([c[-1] for c in committed])).tolist()
+        for row in range(3):
+            context = torch.cat(fed[row])[-C:]
+            memory = net.encode_memory(fed[row][0][None])
+            with torch.inference_mode():
+                logits = net(context[None], embed(torch.tensor([committed[row][-1]])), head, memory)
+            assert got[row] == logits[0].argmax(-1).tolist(), (turn, row)
+    assert rows.mem_capacity == (128 if memory else 0)
+    with pytest.raises(RuntimeError, match="fed"):
+        rows.ready(0, committed[0] + [1])  # an output the drafter was not fed
 
 
 def test_label_data_follows_the_greedy_chain_and_cuts_blocks_where_the_label_leaves_it(tiny):
@@ -367,68 +303,49 @@ def test_policy_skips_a_capped_drafter_that_could_not_win_the_round():
             self.asked += 1
             return [2] * min(k, self.max_draft)
 
-    copy, costly = Copy(), Costly()
-    policy = DraftPolicy([copy, costly], k_max=16)
-    copy.length = 6  # longer than the block could ever be: its forward is skipped
-    assert policy.propose([0], 16) == ("copy", [1] * 6) and costly.asked == 0
-    copy.length = 4  # as long as its cap: a tie goes to the first anyway
-    assert policy.propose([0], 16) == ("copy", [1] * 4) and costly.asked == 0
-    copy.length = 3
-    assert policy.propose([0], 16) == ("block", [2] * 4) and costly.asked == 1
-    assert policy.propose([0], 2) == ("copy", [1] * 2) and costly.asked == 1  # room 2: the copy's 2 already do
+    class OnDevice(Costly):
+        """The block drafter of the batched engine: it is asked only whether it can draft; the engine drafts."""
+
+        on_device = True
+
+        def ready(self, committed):
+            self.asked += 1
+            return True
+
+    for costly in (Costly(), OnDevice()):
+        copy = Copy()
+        drafted = ([], 4) if isinstance(costly, OnDevice) else ([2] * 4, 0)
+        policy = DraftPolicy([copy, costly], k_max=16)
+        copy.length = 6  # longer than the block could ever be: its forward is skipped
+        assert policy.propose([0], 16) == ("copy", [1] * 6, 0) and costly.asked == 0
+        copy.length = 4  # as long as its cap: a tie goes to the first anyway
+        assert policy.propose([0], 16) == ("copy", [1] * 4, 0) and costly.asked == 0
+        copy.length = 3
+        assert policy.propose([0], 16) == ("block", *drafted) and costly.asked == 1
+        assert policy.propose([0], 2) == ("copy", [1] * 2, 0) and costly.asked == 1  # room 2: the copy's 2 do
 
 
 def test_chunks_with_a_full_copy_source_decode_without_the_block_drafter(tiny):
     """Default: a text layer on every page (or replay ids) leaves the block network out; a chunk with a page
     that has nothing to copy keeps it."""
     net = _net(tiny)
-    dec = SpeculativeDecoder(tiny, mode="lossless", block_net=net)
-    names = lambda texts, replay=None: [d.name for d in dec._drafters("multi", texts, replay)]  # noqa: E731
-    assert "block" not in names(["page one text", "page two text"])
-    assert "block" not in names(None, [1, 2, 3])
-    assert "block" in names(["page one text", "  "]) and "block" in names(None)
-    both = SpeculativeDecoder(tiny, mode="lossless", block_net=net, block_beside_copies=True)
-    assert "block" in [d.name for d in both._drafters("multi", ["page one text"], None)]
 
+    def names(engine, texts=None, replay=None):
+        request = SimpleNamespace(kind="multi", reference_texts=texts, replay_ids=replay)
+        return [d.name for d in make_drafters(engine, request, 0)]
 
-def test_the_compiled_static_block_drafter_drafts_what_the_eager_one_drafts(tiny):
-    """``compile=True``: the draft body through torch.compile (inductor's CPU backend here) proposes the eager
-    drafter's tokens; a decode with it stays token-identical to official."""
-    from engine.fast_decoder import FastDecoder
-
-    net = _net(tiny, context=16, block=6, memory=True)
-    model = tiny.model
-    embed, head = model.get_input_embeddings(), model.lm_head
-    static = StaticBlockDrafter(net, embed, head, graphs=False, memory_bucket=64, compile=True)
-    eager = BlockDrafter(net, embed, head)
-    width = len(net.config.layers) * model.config.text_config.hidden_size
-    gen = torch.Generator().manual_seed(5)
-    ids = [5]
-    for n in (70, 1, 3):
-        features = torch.randn(n, width, generator=gen)
-        eager.feed(features)
-        static.feed(features)
-        if n != 70:
-            ids += [(11 * len(ids)) % 50 + 1 for _ in range(n)]
-        try:
-            got = static.propose(ids, 6)
-        except Exception as exc:  # noqa: BLE001
-            pytest.skip(f"torch.compile unavailable: {exc}")
-        if static.compile_error:
-            pytest.skip(f"torch.compile unavailable: {static.compile_error}")
-        assert static.compiled and got == eager.propose(ids, 6)
-
-    pages = [text_page(i) for i in range(2)]
-    official = official_generate(tiny, pages, "multi", LENGTH).output_ids
-    dec = FastDecoder(tiny, mode="lossless", k_max=6, drafters=("block",), block_net=net, backend="static",
-                      compile_draft=True)
-    res = dec.generate(pages, LENGTH)
-    assert res.output_ids == official and res.extra["speculative"]["draft_compiled"]
+    default = BatchEngine(tiny, "lossless", block_net=net)
+    assert "block" not in names(default, ["page one text", "page two text"])
+    assert "block" not in names(default, None, [1, 2, 3])
+    assert "block" in names(default, ["page one text", "  "]) and "block" in names(default)
+    both = BatchEngine(tiny, "lossless", block_net=net, block_beside_copies=True)
+    assert "block" in names(both, ["page one text"])
 
 
 def test_train_drafter_decodes_with_the_init_drafter_and_live_checks_after_a_warmup(tmp_path):
-    """`--data decode --init D` decodes the teacher pages with `lossless` + D (same tokens, or the teacher forward
-    would refuse them); `--eval-only` live-checks a drafter after one untimed warm-up chunk on both sides."""
+    """`--data decode --init D` decodes the teacher pages with `lossless` + D in one batch (same tokens, or the
+    teacher forward would refuse them); `--eval-only` live-checks a drafter after one untimed warm-up chunk on both
+    sides, each chunk alone and (`--eval-batch`) all in one batch."""
     from scripts.train_drafter import main
 
     model = build_tiny_model(tmp_path / "target", sliding_window=8, seed=3, text_init=0.02)
@@ -446,28 +363,9 @@ def test_train_drafter_decodes_with_the_init_drafter_and_live_checks_after_a_war
     assert record["decoded_heldout"]["pages"] == 2 and 0 <= record["decoded_heldout"]["tau"] <= 4
     ev = record["eval"]
     assert ev["identical"] == ev["chunks"] == 2 and ev["warmup_chunks"] == 1 and ev["warmup_s"]["block"] > 0
-    assert ev["draft_compiled"] is None  # the eager engine on the CPU: no static drafter
-
-
-@pytest.mark.parametrize("sits_out,full_k", [(True, False), (False, False), (True, True)])
-def test_the_offline_policy_replay_counts_the_rounds_the_engine_runs(tiny, sits_out, full_k):
-    """scripts/simulate_policy.py replays the block drafter's policy on teacher features: a partly trained drafter
-    (hits and misses) gives the engine's own rounds, single steps and tau."""
-    from scripts.simulate_policy import simulate
-    from scripts.train_drafter import train
-
-    pages = [text_page(i) for i in range(2)]
-    official = official_generate(tiny, pages, "multi", LENGTH).output_ids
-    net = _net(tiny, context=16, block=6, memory=True)
-    seq = teacher_features(tiny, pages, official, net.config.layers)
-    torch.manual_seed(0)
-    train(net.requires_grad_(True), tiny, [seq], steps=160, seconds=None, batch=32, lr=3e-3, seed=0, anchors=16)
-    net.requires_grad_(False).eval()
-    dec = SpeculativeDecoder(tiny, mode="lossless", k_max=6, drafters=("block",), block_net=net,
-                             block_sits_out=sits_out, block_full_k=full_k)
-    live = dec.generate(pages, LENGTH).extra["speculative"]
-    model = tiny.model
-    sim = simulate(net, [seq], model.get_input_embeddings(), model.lm_head, tiny.eos_token_id, sits_out, full_k)
-    assert 0.3 < live["tau"] < 5 and (live["single_steps"] > 0) == sits_out  # hits, misses, benched rounds
-    assert (sim["rounds"], sim["singles"], sim["accepted"]) == (live["verify_rounds"], live["single_steps"],
-                                                                 live["accepted_tokens"])
+    assert ev["batch"] == 1 and ev["backend"] == "eager" and 0 <= ev["tau_mean"] <= 4 and ev["speedup_vs_plain"] > 0
+    assert len(ev["acceptance_by_position"]) <= 4 and ev["ms_step_by_width"]
+    assert main([*common, "--eval-only", "--init", str(second), "--eval-pages", "3", "--eval-batch",
+                 "--no-eval-warmup", "--json", str(record_path)]) == 0
+    ev = json.loads(record_path.read_text())["eval"]
+    assert ev["identical"] == ev["chunks"] == ev["batch"] == 3 and ev["warmup_chunks"] == 0

@@ -32,7 +32,7 @@ def test_shipped_config_toml_loads(monkeypatch):
     for key in [k for k in os.environ if k.startswith("UFLASH_")]:
         monkeypatch.delenv(key)
     s = load_settings(Path(__file__).resolve().parents[1] / "config.toml")
-    assert s.engine.mode == "lossless" and s.engine.compile_step is False
+    assert s.engine.mode == "lossless"
 
 
 @pytest.mark.parametrize(

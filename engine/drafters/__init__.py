@@ -1,38 +1,25 @@
-"""Drafters: cheap guesses of the target's next tokens. Any guess is safe, `engine.verify` keeps only
+"""Drafters: cheap guesses of the target's next tokens. Any guess is safe, `engine.acceptance` keeps only
 what the target itself would have produced; a good drafter only makes decoding faster.
 
-A drafter has a ``name`` and ``propose(committed_ids, k) -> list[int]``: up to ``k`` tokens expected to
+A host drafter has a ``name`` and ``propose(committed_ids, k) -> list[int]``: up to ``k`` tokens expected to
 follow ``committed_ids`` (the output so far, prompt excluded). It may keep state between calls, but
 must accept any ``committed_ids`` that extends the previous one (rounds in which it was not asked
 included). Optional: ``max_draft``, the longest draft it can ever make (`engine.drafters.policy` then skips
 it in rounds where it could not win).
 
-A drafter of the static fast path may return a `DeviceDraft` instead of a list: its ids stay on the device,
-where the verify step reads them (`engine.static_runner.StaticRswaRunner.step`'s ``device_tail``), so the host
-never waits for a draft; its length is known without looking. Only `engine.fast_decoder.verify_static` reads one.
+The block drafter is not a host drafter: `engine.drafters.block_rows.BlockRows` drafts for every row of the batch
+in one device forward, and each row's `BlockRowDrafter` (``on_device = True``) only tells its row's
+`engine.drafters.policy.DraftPolicy` that it can draft. ``DraftPolicy.propose`` returns ``(name, draft,
+device_k)``: a host draft, or, when the block drafter wins, an empty draft and the number of tokens the engine
+takes from the device draft (`engine.batch_engine`), so the host never waits for a draft.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-import torch
-
 
 class Drafter(Protocol):
     name: str
 
     def propose(self, committed_ids: list[int], k: int) -> list[int]: ...
-
-
-class DeviceDraft:
-    """A draft whose ids are still on the device (``ids``, 1-D, length ``len()``): the output of a graph replay
-    that the next one overwrites, so it must be verified before the drafter drafts again."""
-
-    __slots__ = ("ids",)
-
-    def __init__(self, ids: torch.Tensor):
-        self.ids = ids
-
-    def __len__(self) -> int:
-        return self.ids.numel()

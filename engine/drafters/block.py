@@ -16,12 +16,14 @@ own ``embed_tokens`` and ``lm_head`` (frozen, through small projections), so the
 
 Page memory (``memory=True``). The recent context says where the target is reading, not what comes next: the
 next words are only on the page. With memory, every row also cross-attends to the target's features of the
-whole prompt (the page images' tokens after the target's layers, computed once per decode by the first
-``feed``), so the drafter can read ahead instead of guessing from the text so far. Its keys and values are
-projected once per decode (`encode_memory`), not per draft.
+whole prompt (the page images' tokens after the target's layers, from the chunk's prefill), so the drafter can
+read ahead instead of guessing from the text so far. Its keys and values are projected once per chunk
+(`encode_memory`), not per draft.
 
-Its cache needs no rollback: it only ever holds features of committed inputs (``feed``). Any draft is safe:
-the verify round keeps only what the target itself produces.
+This module holds the network, its configuration, its training loss and where a checkpoint keeps it. At decode
+time `engine.drafters.block_rows.BlockRows` runs it for every row of a batch: its buffers only ever hold features
+of committed inputs, so they need no rollback. Any draft is safe: the verify step keeps only what the target
+itself produces.
 """
 
 from __future__ import annotations
@@ -196,50 +198,3 @@ def drafter_folder(model_path: str | Path) -> Path:
     """Where a checkpoint's own drafter lives: ``<model folder>/drafter``."""
     return Path(model_path) / "drafter"
 
-
-def check_fed(fed: int, prompt_len: int, committed_ids: list[int]) -> None:
-    """The drafter's invariant before a draft: it was fed every input up to o_{t-1} (the prompt, then the
-    committed outputs but the last), no more, no less."""
-    if fed != prompt_len + len(committed_ids) - 1:
-        raise RuntimeError(f"block drafter fed {fed} inputs, expected prompt {prompt_len} + "
-                           f"{len(committed_ids) - 1} committed outputs")
-
-
-class BlockDrafter:
-    """The runtime drafter (``engine.drafters.Drafter``) of one decode. The engine calls ``feed`` with the
-    target's features of every input it commits (the prompt after the prefill, then each round's), in order."""
-
-    name = "block"
-
-    def __init__(self, net: BlockDrafterNet, embed_tokens, lm_head):
-        self.net, self.embed_tokens, self.lm_head = net, embed_tokens, lm_head
-        self._buffer: torch.Tensor | None = None  # [<= C, L*H], the latest fed features
-        self.fed = 0  # inputs fed so far (prompt + committed outputs)
-        self.prompt_len: int | None = None
-        self._memory: PageMemory | None = None
-
-    def feed(self, features: torch.Tensor) -> None:
-        """features [n, L*H] of the next n committed inputs."""
-        if self.prompt_len is None:
-            self.prompt_len = features.shape[0]
-            with torch.inference_mode():
-                self._memory = self.net.encode_memory(features[None])
-        buf = features if self._buffer is None else torch.cat([self._buffer, features])
-        self._buffer = buf[-self.net.config.context :]
-        self.fed += features.shape[0]
-
-    @property
-    def max_draft(self) -> int:
-        return self.net.config.block
-
-    @torch.inference_mode()
-    def propose(self, committed_ids: list[int], k: int) -> list[int]:
-        c = self.net.config
-        if k < 1 or self._buffer is None or self._buffer.shape[0] < c.context:
-            return []
-        check_fed(self.fed, self.prompt_len, committed_ids)
-        p = next(self.net.parameters())
-        last = torch.tensor([committed_ids[-1]], device=p.device)
-        logits = self.net(self._buffer[None].to(p.dtype), self.embed_tokens(last).to(p.dtype), self.lm_head,
-                          self._memory)
-        return logits[0, : min(k, c.block)].argmax(-1).tolist()

@@ -21,7 +21,8 @@ import torch
 from engine.model import LoadedModel
 from engine.ngram_rule import NoRepeatNgramRule, greedy_token
 from engine.official import official_inputs, rswa_mask
-from engine.runner import RswaRunner
+from engine.rows import official_rule
+from engine.vision import embed_chunks
 
 
 class TeacherMismatch(RuntimeError):
@@ -41,7 +42,7 @@ def _forward(loaded: LoadedModel, images: list, output_ids: list[int], layers: l
     model = loaded.model
     inputs = official_inputs(loaded, images, "single" if len(images) == 1 else "multi")
     prompt_ids = inputs["input_ids"][0].tolist()
-    prompt = RswaRunner(model).prompt_embeddings(inputs)
+    prompt = embed_chunks(model, loaded.image_token_id, [inputs])[0]
     P, T = prompt.shape[1], len(output_ids)
     out_ids = torch.tensor([output_ids], device=prompt.device)
     embeds = torch.cat([prompt, model.get_input_embeddings()(out_ids).to(prompt.dtype)], dim=1)
@@ -68,8 +69,6 @@ def _greedy(raw_choice: int, row: torch.Tensor, banned: set[int]) -> int:
 def label_features(loaded: LoadedModel, images: list, label_ids: list[int], layers: list[int]) -> TeacherSequence:
     """Features along a page's label tokens (end with EOS), and the target's greedy choice at every position
     (official no-repeat-ngram rule applied along the label path)."""
-    from engine.speculative import official_rule
-
     kind = "single" if len(images) == 1 else "multi"
     prompt_ids, P, features, logits = _forward(loaded, images, label_ids, layers)
     rule = NoRepeatNgramRule(*official_rule(loaded, kind), prompt_ids)
@@ -87,8 +86,6 @@ def teacher_features(loaded: LoadedModel, images: list, output_ids: list[int], l
                      check: bool = True) -> TeacherSequence:
     """Features of prompt + output_ids (one forward, R-SWA mask). check: replay the official rule over the
     forward's logits and raise `TeacherMismatch` unless every output token is the greedy choice."""
-    from engine.speculative import official_rule
-
     kind = "single" if len(images) == 1 else "multi"
     prompt_ids, P, features, logits = _forward(loaded, images, output_ids, layers)
     if check:
