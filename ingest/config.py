@@ -16,8 +16,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from engine.quality import Thresholds
-from ingest.orientation import OrientationConfig
 from ingest.errors import ConfigError
 
 CONFIG_ENV = "UFLASH_CONFIG"
@@ -28,7 +26,7 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class Folders(_Section):
+class FolderSettings(_Section):
     inbox: Path = Path("var/inbox")
     outbox: Path = Path("var/outbox")
     archive: Path = Path("var/archive")
@@ -36,7 +34,7 @@ class Folders(_Section):
     logs: Path = Path("var/logs")
 
 
-class Database(_Section):
+class DatabaseSettings(_Section):
     url: str = "sqlite:///var/uflash.db"  # or postgresql+psycopg://user@host/db (pip install -e ".[postgres]")
     busy_timeout_ms: int = Field(default=30_000, ge=0)
 
@@ -57,31 +55,44 @@ class EngineSettings(_Section):
     max_tokens_per_page: int | None = Field(default=None, ge=1)  # cap on output; None: up to the context
 
 
-class Quality(_Section):
-    """Grading thresholds (engine.quality.Thresholds documents each one); defaults are the dataclass's."""
+class QualitySettings(_Section):
+    """``[quality]``: the figures of a page (ingest.quality) and its grade. A page is *poor* when any poor rule fires,
+    *fair* when any fair rule fires, else *good*; rules whose figure is missing (e.g. no text layer, too few tokens for
+    Distinct-35) do not fire."""
 
-    __annotations__ = {f: type(v) for f, v in vars(Thresholds()).items()}
-    locals().update(vars(Thresholds()))
+    distinct_20_poor: float = 0.80  # Distinct-20 below this: poor (repetition)
+    distinct_20_fair: float = 0.95
+    distinct_35_poor: float = 0.85
+    distinct_35_fair: float = 0.97
+    mean_logprob_poor: float = -1.5  # mean log-probability of the emitted tokens below this: poor
+    mean_logprob_fair: float = -0.5
+    low_confidence_prob: float = 0.5  # a token whose probability is below this is low-confidence
+    low_confidence_poor: float = 0.30  # share of low-confidence tokens above this: poor
+    low_confidence_fair: float = 0.10
+    text_layer_poor: float = 0.60  # normalized edit distance to the PDF text layer above this: poor
+    text_layer_fair: float = 0.30
+    text_layer_min_chars: int = 20  # compare with the text layer only when it has at least this many chars
+    neighbour_low: float = 0.25  # characters / median of the neighbours' below this (or above high): fair
+    neighbour_high: float = 4.0
+    neighbour_min_chars: int = 200  # ... only when the neighbours' median has at least this many chars
+    loop_min_repeats: int = 3  # a looping tail repeats its unit at least this often
+    loop_min_tokens: int = 32  # ... and covers at least this many tokens
+    loop_tail_tokens: int = 200  # or: the last this many tokens (a near-loop under the no-repeat rule) ...
+    loop_tail_distinct: float = 0.5  # ... have Distinct-10 below this
 
-    def thresholds(self) -> Thresholds:
-        return Thresholds(**self.model_dump())
 
-
-class Orientation(_Section):
-    """Scans turned sideways or upside down (ingest.orientation documents each key)."""
+class OrientationSettings(_Section):
+    """``[orientation]``: scans turned sideways or upside down (ingest.orientation says how each key is used)."""
 
     auto: bool = True
-    sideways_below: float = Field(default=0.75, gt=0.0)
-    upside_down_below: float = Field(default=-0.5, ge=-1.0, le=1.0)
-    probe_tokens: int = Field(default=256, ge=8)
-    min_gain: float = Field(default=0.1, ge=0.0)
-    min_logprob: float = Field(default=-0.5, le=0.0)
-
-    def config(self) -> OrientationConfig:
-        return OrientationConfig(**self.model_dump(exclude={"auto"}))
+    sideways_below: float = Field(default=0.75, gt=0.0)  # stripe_ratio below this: probed for a quarter turn
+    upside_down_below: float = Field(default=-0.5, ge=-1.0, le=1.0)  # ragged_edges below this: probed for a half turn
+    probe_tokens: int = Field(default=256, ge=8)  # tokens decoded per probe
+    min_gain: float = Field(default=0.1, ge=0.0)  # a turn must beat the page as it is by this mean log-probability
+    min_logprob: float = Field(default=-0.5, le=0.0)  # ... and be read with at least this mean log-probability
 
 
-class Outputs(_Section):
+class OutputSettings(_Section):
     """What each finished document gets in the outbox (ingest.outputs): md (document.md), json (document.json, always
     written: uflash reads it back), pdf (document.pdf, PDF/A-2b), alto (alto/<page>.xml), hocr (document.hocr)."""
 
@@ -95,7 +106,7 @@ class Outputs(_Section):
         return list(dict.fromkeys(v))
 
 
-class Watch(_Section):
+class WatchSettings(_Section):
     settle_seconds: float = Field(default=5.0, ge=0.0)
     incomplete_grace_seconds: float = Field(default=600.0, ge=0.0)
     rescan_seconds: float = Field(default=60.0, gt=0.0)
@@ -104,7 +115,7 @@ class Watch(_Section):
     max_page_pixels: int = Field(default=150_000_000, ge=1)
 
 
-class Worker(_Section):
+class WorkerSettings(_Section):
     lease_seconds: float = Field(default=300.0, gt=0.0)
     heartbeat_seconds: float = Field(default=30.0, gt=0.0)
     max_attempts: int = Field(default=3, ge=1)
@@ -117,15 +128,15 @@ class Settings(BaseSettings):
         env_prefix="UFLASH_", env_nested_delimiter="__", extra="forbid", validate_default=True
     )
 
-    folders: Folders = Folders()
-    database: Database = Database()
+    folders: FolderSettings = FolderSettings()
+    database: DatabaseSettings = DatabaseSettings()
     model: ModelSettings = ModelSettings()
     engine: EngineSettings = EngineSettings()
-    quality: Quality = Quality()
-    orientation: Orientation = Orientation()
-    outputs: Outputs = Outputs()
-    watch: Watch = Watch()
-    worker: Worker = Worker()
+    quality: QualitySettings = QualitySettings()
+    orientation: OrientationSettings = OrientationSettings()
+    outputs: OutputSettings = OutputSettings()
+    watch: WatchSettings = WatchSettings()
+    worker: WorkerSettings = WorkerSettings()
     config_dir: Path = Field(default=Path("."), exclude=True)
 
     @classmethod

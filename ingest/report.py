@@ -3,7 +3,7 @@ as JSON, and as a static HTML page in ``<outbox>/reports/run-<ID>.html`` (a thum
 its text and stats, rendered from the archived original; filter by grade with the buttons or a URL hash
 such as ``#grade=poor``; no network access, everything is inline).
 
-A run is one ``uflash run``, one ``uflash watch`` process or one ``uflash rerun`` (ingest/worker.py), and its
+A run is one ``uflash run``, one batch of a ``uflash watch`` process or one ``uflash rerun`` (ingest.lifecycle), and its
 report shows the pages that run decoded, nothing earlier: its size and the time to render its thumbnails grow
 with that run's work, not with the ledger."""
 
@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from loguru import logger
-from sqlalchemy import func, select
 
-from db.models import Document, Page, Run, RunEnd
+from db.models import RunEnd
+from db.runs import get_run, latest_run_with_pages, run_pages
 from db.session import Database
 from ingest.errors import UsageError
 from ingest.orientation import page_turn, turn
@@ -30,22 +30,15 @@ from ingest.owners import is_gone
 THUMB_PX = 220
 
 
-def latest_run_id(db: Database) -> int | None:
-    with db.session() as s:
-        return s.scalar(select(func.max(Page.run_id)))
-
-
 def collect_report(db: Database, run_id: int | None = None, grade: str | None = None) -> dict[str, Any]:
     """The pages of run ``run_id`` (default: the latest run with pages), optionally only those of ``grade``."""
-    run_id = run_id if run_id is not None else latest_run_id(db)
+    run_id = run_id if run_id is not None else latest_run_with_pages(db)
     if run_id is None:
         return {"run": None, "documents": [], "pages": 0, "grades": {}}
-    with db.session() as s:
-        run = s.get(Run, run_id)
-        if run is None:
-            raise UsageError(f"no run {run_id}")
-        rows = s.execute(select(Page, Document).join(Document, Document.id == Page.document_id)
-                         .where(Page.run_id == run_id).order_by(Document.id, Page.page_index)).all()
+    run = get_run(db, run_id)
+    if run is None:
+        raise UsageError(f"no run {run_id}")
+    rows = run_pages(db, run_id)
     docs: dict[int, dict[str, Any]] = {}
     grades: dict[str, int] = {}
     for page, doc in rows:

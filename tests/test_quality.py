@@ -14,7 +14,8 @@ from engine.chunk_decode import EngineDecoder
 from engine.model import load_model
 from engine.ngram_rule import NoRepeatNgramRule
 from engine.official import official_generate
-from engine.quality import (Thresholds, distinct_n, edit_distance, finish_reason, grade, grade_document, loop_tail,
+from ingest.config import QualitySettings
+from ingest.quality import (distinct_n, edit_distance, finish_reason, grade, grade_document, loop_tail,
                             looping, neighbour_ratio, normalized_edit_distance, page_quality)
 from tests.conftest import text_page
 
@@ -84,7 +85,7 @@ def test_grading_on_synthetic_stats():
     assert grade(_clean_stats(text_layer_ned=0.45)) == ("fair", ["text_layer_mismatch"])
     assert grade(_clean_stats(text_layer_ned=0.9, neighbour_chars_ratio=0.1)) == \
         ("poor", ["text_layer_mismatch", "chars_vs_neighbours"])
-    strict = Thresholds(mean_logprob_fair=-0.01)
+    strict = QualitySettings(mean_logprob_fair=-0.01)
     assert grade(_clean_stats(), strict) == ("fair", ["low_mean_logprob"])
 
 
@@ -183,8 +184,8 @@ def test_quality_and_fast_settings_come_from_config_toml(tmp_path):
 
     s = load_settings(write_config(tmp_path, quality={"mean_logprob_fair": -0.2, "loop_min_tokens": 64},
                                    engine={"mode": "fast", "fast_threshold": 0.5}))
-    t = s.quality.thresholds()
-    assert (t.mean_logprob_fair, t.loop_min_tokens, t.distinct_20_poor) == (-0.2, 64, Thresholds().distinct_20_poor)
+    t = s.quality
+    assert (t.mean_logprob_fair, t.loop_min_tokens, t.distinct_20_poor) == (-0.2, 64, QualitySettings().distinct_20_poor)
     assert (s.engine.mode, s.engine.fast_threshold) == ("fast", 0.5)
     for bad in ({"quality": {"no_such_threshold": 1}}, {"quality": {"distinct_20_poor": "high"}},
                 {"engine": {"fast_threshold": 0.0}}):

@@ -27,7 +27,7 @@ from engine.model import load_model
 from engine.official import DecodeResult
 from ingest.config import load_settings
 from ingest.intake import intake_file
-from ingest.orientation import OrientationConfig
+from ingest.config import OrientationSettings
 from ingest.render import render_pages
 from ingest.worker import Worker
 from tests.conftest import ROOT, make_pdf, serve_until, uflash, wait_until, worker_config, write_config
@@ -731,7 +731,7 @@ class RunawayDecoder:
         pass
 
     def decode(self, images, context_limit, max_new_tokens=None, **hints):
-        if max_new_tokens == OrientationConfig.probe_tokens:  # an orientation probe: reads nothing in particular
+        if max_new_tokens == OrientationSettings().probe_tokens:  # an orientation probe: reads nothing in particular
             self.probes += 1
             return assemble(_fake_result("<PAGE>probe", "length"), 1, hit_context=False)
         pages = [self.page_of[im.tobytes()] for im in images]

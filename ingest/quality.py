@@ -17,10 +17,9 @@
 Log-probabilities are those of the emitted tokens under the target model's distribution: the log-softmax
 of its fp32 logits at each emitted position, before the no-repeat-ngram bans (the engine takes them from the
 verify logits, the official path from generate's logits). A token is low-confidence when its probability
-is below ``Thresholds.low_confidence_prob``.
+is below ``low_confidence_prob``.
 
-This module knows nothing of the database or the config file; the thresholds come in as a dataclass
-(filled from the ``[quality]`` section of config.toml by the ingest side).
+The thresholds are the ``[quality]`` section of config.toml (``ingest.config.QualitySettings``).
 """
 
 from __future__ import annotations
@@ -28,36 +27,11 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Hashable, Sequence
-from dataclasses import asdict, dataclass
 from typing import Any
 
+from ingest.config import QualitySettings
+
 GRADES = ("good", "fair", "poor")
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """A page is *poor* when any poor rule fires, *fair* when any fair rule fires, else *good*.
-    Rules whose stat is missing (e.g. no text layer, too few tokens for Distinct-35) do not fire."""
-
-    distinct_20_poor: float = 0.80  # Distinct-20 below this: poor (repetition)
-    distinct_20_fair: float = 0.95
-    distinct_35_poor: float = 0.85
-    distinct_35_fair: float = 0.97
-    mean_logprob_poor: float = -1.5  # mean log-probability of the emitted tokens below this: poor
-    mean_logprob_fair: float = -0.5
-    low_confidence_prob: float = 0.5  # a token whose probability is below this is low-confidence
-    low_confidence_poor: float = 0.30  # share of low-confidence tokens above this: poor
-    low_confidence_fair: float = 0.10
-    text_layer_poor: float = 0.60  # normalized edit distance to the PDF text layer above this: poor
-    text_layer_fair: float = 0.30
-    text_layer_min_chars: int = 20  # compare with the text layer only when it has at least this many chars
-    neighbour_low: float = 0.25  # characters / median of the neighbours' below this (or above high): fair
-    neighbour_high: float = 4.0
-    neighbour_min_chars: int = 200  # ... only when the neighbours' median has at least this many chars
-    loop_min_repeats: int = 3  # a looping tail repeats its unit at least this often
-    loop_min_tokens: int = 32  # ... and covers at least this many tokens
-    loop_tail_tokens: int = 200  # or: the last this many tokens (a near-loop under the no-repeat rule) ...
-    loop_tail_distinct: float = 0.5  # ... have Distinct-10 below this
 
 
 def distinct_n(ids: Sequence[Hashable], n: int) -> float | None:
@@ -88,9 +62,9 @@ def loop_tail(ids: Sequence[Hashable], min_repeats: int = 3, min_tokens: int = 3
     return None
 
 
-def looping(ids: Sequence[Hashable], thresholds: Thresholds | None = None) -> bool:
+def looping(ids: Sequence[Hashable], thresholds: QualitySettings | None = None) -> bool:
     """The sequence ends in a loop: an exact periodic tail, or a near-loop (low Distinct-10 at the end)."""
-    t = thresholds or Thresholds()
+    t = thresholds or QualitySettings()
     if loop_tail(ids, t.loop_min_repeats, t.loop_min_tokens) is not None:
         return True
     if len(ids) < t.loop_tail_tokens:
@@ -99,7 +73,7 @@ def looping(ids: Sequence[Hashable], thresholds: Thresholds | None = None) -> bo
     return d is not None and d < t.loop_tail_distinct
 
 
-def finish_reason(raw: str, ids: Sequence[Hashable], thresholds: Thresholds | None = None) -> str:
+def finish_reason(raw: str, ids: Sequence[Hashable], thresholds: QualitySettings | None = None) -> str:
     """The page's finish reason: ``repetition`` when it ran out of room (context_limit / length) in a loop."""
     if raw in ("context_limit", "length") and looping(ids, thresholds):
         return "repetition"
@@ -147,7 +121,7 @@ def _words(text: str) -> str:
 
 
 def page_quality(raw_finish: str, ids: Sequence[int], logprobs: Sequence[float] | None, text: str,
-                 text_layer: str | None, thresholds: Thresholds = Thresholds()) -> dict[str, Any]:
+                 text_layer: str | None, thresholds: QualitySettings = QualitySettings()) -> dict[str, Any]:
     """Stats of one page from its token ids (separator / EOS excluded), their log-probabilities, its
     readable text and the PDF text layer (None when there is none)."""
     t = thresholds
@@ -182,7 +156,7 @@ def neighbour_ratio(chars: Sequence[int], i: int, min_chars: int = 200) -> float
     return _round(chars[i] / median)
 
 
-def grade(stats: dict[str, Any], thresholds: Thresholds = Thresholds()) -> tuple[str, list[str]]:
+def grade(stats: dict[str, Any], thresholds: QualitySettings = QualitySettings()) -> tuple[str, list[str]]:
     """(grade, reasons) of a page from its stats (``page_quality`` + ``neighbour_chars_ratio``).
     Reasons are short codes, poor ones first: repetition, context_limit, length, low_distinct_20,
     low_distinct_35, low_mean_logprob, low_confidence_tokens, text_layer_mismatch, chars_vs_neighbours."""
@@ -224,7 +198,7 @@ def grade(stats: dict[str, Any], thresholds: Thresholds = Thresholds()) -> tuple
     return ("fair", fair) if fair else ("good", [])
 
 
-def grade_document(pages: list[dict[str, Any]], thresholds: Thresholds = Thresholds()) -> list[dict[str, Any]]:
+def grade_document(pages: list[dict[str, Any]], thresholds: QualitySettings = QualitySettings()) -> list[dict[str, Any]]:
     """Each page's stats (in document order) completed with neighbour_chars_ratio, grade and reasons."""
     chars = [p.get("chars", 0) for p in pages]
     out = []
@@ -233,15 +207,6 @@ def grade_document(pages: list[dict[str, Any]], thresholds: Thresholds = Thresho
         q["grade"], q["reasons"] = grade(q, thresholds)
         out.append(q)
     return out
-
-
-def thresholds_from(values: dict[str, Any] | None) -> Thresholds:
-    """Thresholds with the given fields replaced (unknown names raise TypeError)."""
-    return Thresholds(**(values or {}))
-
-
-def thresholds_dict(t: Thresholds) -> dict[str, Any]:
-    return asdict(t)
 
 
 def _round(v: float | None, digits: int = 4) -> float | None:
