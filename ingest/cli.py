@@ -98,7 +98,8 @@ def _report(settings: Settings, db, log: bool = False) -> Callable[[int], None]:
         from ingest.report import write_html_report
 
         try:
-            path = write_html_report(db, settings.outbox, run_id)
+            path = write_html_report(db, settings.outbox, run_id, settings.config_file,
+                                     settings.quality.unsure_word_prob)
         except Exception as e:  # the report is a by-product: never fail a finished run over it
             logger.warning("could not write the HTML report: {}", e)
             return
@@ -168,7 +169,8 @@ def cmd_report(settings: Settings, args: argparse.Namespace) -> int:
         if args.json:
             from ingest.report import write_html_report
 
-            write_html_report(db, settings.outbox, rep["run"]["id"])
+            write_html_report(db, settings.outbox, rep["run"]["id"], settings.config_file,
+                              settings.quality.unsure_word_prob)
         else:
             _report(settings, db)(rep["run"]["id"])
     return ExitCode.OK

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import tempfile
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -55,22 +56,28 @@ class EngineSettings(_Section):
     max_tokens_per_page: int | None = Field(default=None, ge=1)  # cap on output; None: up to the context
 
 
-class QualitySettings(_Section):
-    """``[quality]``: the figures of a page (ingest.quality) and its grade. A page is *poor* when any poor rule fires,
-    *fair* when any fair rule fires, else *good*; rules whose figure is missing (e.g. no text layer, too few tokens for
-    Distinct-35) do not fire."""
+@dataclass(frozen=True)
+class Thresholds:
+    """The ``[quality]`` section of config.toml: the parameters of the figures computed here, and the thresholds
+    of the grade (``ingest.grading``: a page is *poor* when any poor rule fires, *fair* when any fair rule fires,
+    else *good*; rules whose figure is missing do not fire). The grading thresholds were chosen on a labelled
+    ladder against the truth (docs/grades.md)."""
 
     distinct_20_poor: float = 0.80  # Distinct-20 below this: poor (repetition)
     distinct_20_fair: float = 0.95
-    distinct_35_poor: float = 0.85
-    distinct_35_fair: float = 0.97
     mean_logprob_poor: float = -1.5  # mean log-probability of the emitted tokens below this: poor
     mean_logprob_fair: float = -0.5
-    low_confidence_prob: float = 0.5  # a token whose probability is below this is low-confidence
-    low_confidence_poor: float = 0.30  # share of low-confidence tokens above this: poor
-    low_confidence_fair: float = 0.10
-    text_layer_poor: float = 0.60  # normalized edit distance to the PDF text layer above this: poor
-    text_layer_fair: float = 0.30
+    unsure_word_prob: float = 0.5  # a word whose confidence is below this is one the model was unsure of ...
+    unsure_words_poor: float = 0.30  # ... and a share of such words above this: poor
+    unsure_words_fair: float = 0.10
+    ink_min_chars: int = 40  # compare the text with the print on the page when either has at least this many chars
+    ink_short: float = 0.4  # characters read / characters of print measured on the page below this: poor
+    ink_long: float = 2.5  # ... above this: poor
+    ink_short_fair: float = 0.6
+    ink_long_fair: float = 1.7
+    repeat_share: float = 0.5  # a page whose character 8-grams are this much on another page repeats it ...
+    repeat_min_chars: int = 40  # ... when it has at least this many characters
+    low_confidence_prob: float = 0.5  # a token whose probability is below this is low-confidence (a figure)
     text_layer_min_chars: int = 20  # compare with the text layer only when it has at least this many chars
     neighbour_low: float = 0.25  # characters / median of the neighbours' below this (or above high): fair
     neighbour_high: float = 4.0
@@ -79,6 +86,18 @@ class QualitySettings(_Section):
     loop_min_tokens: int = 32  # ... and covers at least this many tokens
     loop_tail_tokens: int = 200  # or: the last this many tokens (a near-loop under the no-repeat rule) ...
     loop_tail_distinct: float = 0.5  # ... have Distinct-10 below this
+
+
+class QualitySettings(_Section):
+    """``[quality]``: the fields of ``Thresholds`` (each documented there; defaults are the dataclass's), and whether
+    pages caught by the checks are decoded again alone (ingest.repair)."""
+
+    __annotations__ = {**{f: type(v) for f, v in vars(Thresholds()).items()}, "repair": bool}
+    locals().update(vars(Thresholds()))
+    repair: bool = True
+
+    def thresholds(self) -> Thresholds:
+        return Thresholds(**self.model_dump(exclude={"repair"}))
 
 
 class OrientationSettings(_Section):
@@ -138,6 +157,7 @@ class Settings(BaseSettings):
     watch: WatchSettings = WatchSettings()
     worker: WorkerSettings = WorkerSettings()
     config_dir: Path = Field(default=Path("."), exclude=True)
+    config_file: Path | None = Field(default=None, exclude=True)  # the file read, if any (commands shown name it)
 
     @classmethod
     def settings_customise_sources(
@@ -257,10 +277,12 @@ def load_settings(path: Path | str | None = None, **overrides: Any) -> Settings:
             data = tomllib.loads(cfg.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {cfg} is not valid TOML: {e}") from None
-    if "config_dir" in data:
-        raise ConfigError("unknown config key 'config_dir'")
+    for internal in ("config_dir", "config_file"):
+        if internal in data:
+            raise ConfigError(f"unknown config key '{internal}'")
     data.update(overrides)
     data["config_dir"] = cfg.parent if cfg else Path.cwd()
+    data["config_file"] = cfg.resolve() if cfg else None
     try:
         return Settings(**data)
     except ValidationError as e:

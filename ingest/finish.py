@@ -25,7 +25,7 @@ from ingest.config import Settings
 from ingest.errors import infrastructure_problem
 from ingest.files import file_away
 from ingest.outputs import holds_another_document, output_folder, write_document_outputs
-from ingest.quality import grade_document
+from ingest.grading import grade_document, plain_text
 
 
 @dataclass
@@ -113,8 +113,10 @@ class Finisher:
         logger.error("{}: {}", doc.original_name, reason)
 
     def _grade(self, pages: list[Page]) -> None:
-        """Grade the document's latest pages against each other; store grade and reasons in their stats."""
-        graded = grade_document([p.stats.get("quality") or {} for p in pages], self.settings.quality)
+        """Grade the document's latest pages against each other (ingest.grading); store grade and reasons in their
+        stats."""
+        graded = grade_document([{**(p.stats.get("quality") or {}), "plain": plain_text(p.text),
+                                  "chunk_id": p.chunk_id} for p in pages], self.settings.quality.thresholds())
         for p, q in zip(pages, graded):
             p.stats = {**p.stats, "quality": q}
         set_page_stats(self.db, {p.id: p.stats for p in pages})

@@ -13,6 +13,7 @@ Split rules:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from loguru import logger
@@ -23,10 +24,8 @@ from db.queue import Claim, fail
 from db.session import Database
 from engine.chunk_decode import ChunkOutput
 from ingest.config import Settings
-from ingest.outputs import page_markdown
 from ingest.prepare import PreparedChunk, Unreadable
-from ingest.quality import page_quality
-from ingest.word_confidence import archival_stats
+from ingest.repair import chunk_page_stats, repair_chunk
 
 WHY_CUT = {"context_limit": "output reached the context limit; ",
            "length": "output reached engine.max_tokens_per_page x pages; "}
@@ -55,17 +54,36 @@ def chunk_note(out: ChunkOutput, ranges: list[tuple[int, int]]) -> str | None:
         " re-queued"
 
 
-def page_rows(settings: Settings, chunk: PreparedChunk, out: ChunkOutput, mode: str | None,
-              tokenizer: Any) -> list[dict[str, Any]]:
+def checked_stats(settings: Settings, chunk: PreparedChunk, out: ChunkOutput, tokenizer: Any,
+                  decode_alone: Callable[[list, list[str]], ChunkOutput]) -> list[dict[str, Any]]:
+    """Each kept page's stats (ingest.repair: its figures, word confidences, the chunk's checks); the pages caught by
+    the checks are decoded again alone (``decode_alone(images, references)``) and the better reading kept
+    (``quality.repair``, on by default). ``out.pages`` is updated in place."""
+    t = settings.quality.thresholds()
+    images, layers = [p.image for p in chunk.pages], [p.text_layer for p in chunk.pages]
+    first = chunk.pages[0].index if chunk.pages else 1
+    stats = chunk_page_stats(out, images, layers, tokenizer, t, first)
+    if settings.quality.repair:
+        def alone(i: int) -> ChunkOutput:
+            return decode_alone([images[i]], [chunk.references[i]])
+
+        for i in repair_chunk(out, stats, images, layers, alone, tokenizer, t, first):
+            if rec := stats[i].get("repair"):
+                logger.info("{}: page {} ({}) decoded again alone; kept the {} reading", chunk.label,
+                            chunk.pages[i].index, ", ".join(rec["why"]),
+                            "single-page" if rec["kept"] == "alone" else "chunk's")
+    return stats
+
+
+def page_rows(chunk: PreparedChunk, out: ChunkOutput, page_stats: list[dict[str, Any]], mode: str | None,
+              batch_rows: int = 1) -> list[dict[str, Any]]:
     """The ledger rows (``Page`` columns) of the pages the chunk kept: text, boxes, the decoder's stats with the
-    page's quality figures, word confidences, orientation and notes."""
+    page's figures and word confidences (``page_stats``, from ``checked_stats``), the number of chunks decoding
+    together when it was decoded (``batch_rows``), its orientation and notes."""
     c, rows = chunk.claim, []
-    for po, rendered in zip(out.pages, chunk.pages):
-        stats = {"batch_rows": 1, **po.stats, "chunk_id": c.chunk_id, "chunk_pages": f"{c.first_page}-{c.last_page}",
-                 "mode": mode,
-                 "quality": page_quality(po.stats["finish_reason"], po.ids, po.logprobs, page_markdown(po.text),
-                                         rendered.text_layer, settings.quality),
-                 **archival_stats(po.text, po.ids, po.logprobs, rendered.image.size, tokenizer)}
+    for po, rendered, extra in zip(out.pages, chunk.pages, page_stats):
+        stats = {"batch_rows": batch_rows, **po.stats, "chunk_id": c.chunk_id,
+                 "chunk_pages": f"{c.first_page}-{c.last_page}", "mode": mode, **extra}
         notes = [out.note] if out.note else []
         if (choice := chunk.turned.get(rendered.index)) is not None:
             stats["orientation"] = choice.record()

@@ -11,15 +11,14 @@
   but ``repetition`` when a page that ran out of room (context_limit or length) ends in a loop.
 - ``edit_distance(a, b)`` (Levenshtein, bit-parallel: Hyyrö 2001) and ``normalized_edit_distance``
   (distance / the longer length; 0 = equal, 1 = nothing in common).
-- ``page_quality(...)``: the stats of one page; ``neighbour_ratio`` (characters against the median of
-  the neighbouring pages); ``grade(stats, thresholds)``: good / fair / poor with the reasons.
+- ``page_quality(...)``: the stats of one page (``ingest.grading`` grades pages on them).
 
 Log-probabilities are those of the emitted tokens under the target model's distribution: the log-softmax
 of its fp32 logits at each emitted position, before the no-repeat-ngram bans (the engine takes them from the
 verify logits, the official path from generate's logits). A token is low-confidence when its probability
-is below ``low_confidence_prob``.
+is below ``Thresholds.low_confidence_prob``.
 
-The thresholds are the ``[quality]`` section of config.toml (``ingest.config.QualitySettings``).
+The thresholds are ``ingest.config.Thresholds`` (the ``[quality]`` section of config.toml).
 """
 
 from __future__ import annotations
@@ -27,9 +26,10 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Hashable, Sequence
+from dataclasses import asdict
 from typing import Any
 
-from ingest.config import QualitySettings
+from ingest.config import Thresholds
 
 GRADES = ("good", "fair", "poor")
 
@@ -62,9 +62,9 @@ def loop_tail(ids: Sequence[Hashable], min_repeats: int = 3, min_tokens: int = 3
     return None
 
 
-def looping(ids: Sequence[Hashable], thresholds: QualitySettings | None = None) -> bool:
+def looping(ids: Sequence[Hashable], thresholds: Thresholds | None = None) -> bool:
     """The sequence ends in a loop: an exact periodic tail, or a near-loop (low Distinct-10 at the end)."""
-    t = thresholds or QualitySettings()
+    t = thresholds or Thresholds()
     if loop_tail(ids, t.loop_min_repeats, t.loop_min_tokens) is not None:
         return True
     if len(ids) < t.loop_tail_tokens:
@@ -73,7 +73,7 @@ def looping(ids: Sequence[Hashable], thresholds: QualitySettings | None = None) 
     return d is not None and d < t.loop_tail_distinct
 
 
-def finish_reason(raw: str, ids: Sequence[Hashable], thresholds: QualitySettings | None = None) -> str:
+def finish_reason(raw: str, ids: Sequence[Hashable], thresholds: Thresholds | None = None) -> str:
     """The page's finish reason: ``repetition`` when it ran out of room (context_limit / length) in a loop."""
     if raw in ("context_limit", "length") and looping(ids, thresholds):
         return "repetition"
@@ -121,7 +121,7 @@ def _words(text: str) -> str:
 
 
 def page_quality(raw_finish: str, ids: Sequence[int], logprobs: Sequence[float] | None, text: str,
-                 text_layer: str | None, thresholds: QualitySettings = QualitySettings()) -> dict[str, Any]:
+                 text_layer: str | None, thresholds: Thresholds = Thresholds()) -> dict[str, Any]:
     """Stats of one page from its token ids (separator / EOS excluded), their log-probabilities, its
     readable text and the PDF text layer (None when there is none)."""
     t = thresholds
@@ -144,69 +144,13 @@ def page_quality(raw_finish: str, ids: Sequence[int], logprobs: Sequence[float] 
     }
 
 
-def neighbour_ratio(chars: Sequence[int], i: int, min_chars: int = 200) -> float | None:
-    """Characters of page ``i`` / the median of its neighbours' (pages i-1 and i+1); None without
-    neighbours or when the neighbours hold fewer than ``min_chars`` (too little text to compare)."""
-    near = [chars[j] for j in (i - 1, i + 1) if 0 <= j < len(chars)]
-    if not near:
-        return None
-    median = statistics.median(near)
-    if median < min_chars:
-        return None
-    return _round(chars[i] / median)
+def thresholds_from(values: dict[str, Any] | None) -> Thresholds:
+    """Thresholds with the given fields replaced (unknown names raise TypeError)."""
+    return Thresholds(**(values or {}))
 
 
-def grade(stats: dict[str, Any], thresholds: QualitySettings = QualitySettings()) -> tuple[str, list[str]]:
-    """(grade, reasons) of a page from its stats (``page_quality`` + ``neighbour_chars_ratio``).
-    Reasons are short codes, poor ones first: repetition, context_limit, length, low_distinct_20,
-    low_distinct_35, low_mean_logprob, low_confidence_tokens, text_layer_mismatch, chars_vs_neighbours."""
-    t = thresholds
-    poor: list[str] = []
-    fair: list[str] = []
-
-    def below(key: str, poor_at: float, fair_at: float, reason: str) -> None:
-        v = stats.get(key)
-        if v is None:
-            return
-        if v < poor_at:
-            poor.append(reason)
-        elif v < fair_at:
-            fair.append(reason)
-
-    def above(key: str, poor_at: float, fair_at: float, reason: str) -> None:
-        v = stats.get(key)
-        if v is None:
-            return
-        if v > poor_at:
-            poor.append(reason)
-        elif v > fair_at:
-            fair.append(reason)
-
-    finish = stats.get("finish_reason")
-    if finish in ("repetition", "context_limit", "length"):
-        poor.append(finish)
-    below("distinct_20", t.distinct_20_poor, t.distinct_20_fair, "low_distinct_20")
-    below("distinct_35", t.distinct_35_poor, t.distinct_35_fair, "low_distinct_35")
-    below("mean_logprob", t.mean_logprob_poor, t.mean_logprob_fair, "low_mean_logprob")
-    above("low_confidence_share", t.low_confidence_poor, t.low_confidence_fair, "low_confidence_tokens")
-    above("text_layer_ned", t.text_layer_poor, t.text_layer_fair, "text_layer_mismatch")
-    ratio = stats.get("neighbour_chars_ratio")
-    if ratio is not None and not t.neighbour_low <= ratio <= t.neighbour_high:
-        fair.append("chars_vs_neighbours")
-    if poor:
-        return "poor", poor + fair
-    return ("fair", fair) if fair else ("good", [])
-
-
-def grade_document(pages: list[dict[str, Any]], thresholds: QualitySettings = QualitySettings()) -> list[dict[str, Any]]:
-    """Each page's stats (in document order) completed with neighbour_chars_ratio, grade and reasons."""
-    chars = [p.get("chars", 0) for p in pages]
-    out = []
-    for i, p in enumerate(pages):
-        q = {**p, "neighbour_chars_ratio": neighbour_ratio(chars, i, thresholds.neighbour_min_chars)}
-        q["grade"], q["reasons"] = grade(q, thresholds)
-        out.append(q)
-    return out
+def thresholds_dict(t: Thresholds) -> dict[str, Any]:
+    return asdict(t)
 
 
 def _round(v: float | None, digits: int = 4) -> float | None:

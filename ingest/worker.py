@@ -32,7 +32,8 @@ from ingest.finish import Finisher
 from ingest.health import Trouble
 from ingest.leases import LeaseKeeper
 from ingest.lifecycle import RunHandle, take_over_from_the_gone
-from ingest.outcome import chunk_note, decode_failed, is_out_of_memory, page_rows, requeued_ranges, unreadable
+from ingest.outcome import (checked_stats, chunk_note, decode_failed, is_out_of_memory, page_rows, requeued_ranges,
+                            unreadable)
 from ingest.owners import this_process
 from ingest.prepare import PreparedChunk, Turns, Unreadable, prepare
 
@@ -141,9 +142,12 @@ class Worker:
             try:
                 self.turns.turn_upright(decoder, chunk)
                 cap = self.settings.engine.max_tokens_per_page
-                out = decoder.decode([p.image for p in chunk.pages], context_limit=self.settings.engine.context_limit,
+                limit = self.settings.engine.context_limit
+                out = decoder.decode([p.image for p in chunk.pages], context_limit=limit,
                                      max_new_tokens=cap * len(chunk.pages) if cap else None,
                                      reference_texts=chunk.references, replay_ids=chunk.replay)
+                stats = checked_stats(self.settings, chunk, out, _tokenizer(decoder), lambda images, refs: decoder.decode(
+                    images, context_limit=limit, max_new_tokens=cap, reference_texts=refs))
             except Exception as e:
                 if infrastructure_problem(e):  # e.g. the ledger failed while probing: no attempt is spent on it
                     raise
@@ -152,13 +156,12 @@ class Worker:
                 return decode_failed(self.settings, self.db, c, chunk.label, e, decoder.device, self.run.reserved())
         if self.leases.lost(c):
             return logger.warning("{}: lease lost while decoding; dropping the result", chunk.label)
-        self._store(chunk, out)
+        self._store(chunk, out, stats)
 
-    def _store(self, chunk: PreparedChunk, out: ChunkOutput) -> None:
+    def _store(self, chunk: PreparedChunk, out: ChunkOutput, stats: list[dict[str, Any]]) -> None:
         """Store the decoded chunk; while the ledger is in trouble the result is kept, and stored once it works."""
         c, decoder = chunk.claim, self.decoder()
-        rows = page_rows(self.settings, chunk, out, decoder.mode, getattr(getattr(decoder, "loaded", None),
-                                                                            "tokenizer", None))
+        rows = page_rows(chunk, out, stats, decoder.mode)
         ranges = requeued_ranges(c, out)
         note = chunk_note(out, ranges)
         while True:
@@ -183,6 +186,10 @@ class Worker:
             self.on_pages(len(rows))
         if ready:
             self.finisher.finish(c.document_id)
+
+
+def _tokenizer(decoder: ChunkDecoder) -> Any:
+    return getattr(getattr(decoder, "loaded", None), "tokenizer", None)
 
 
 def make_worker(settings: Settings, db: Database, **kw: Any) -> Worker:

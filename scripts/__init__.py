@@ -1,1 +1,7 @@
-"""Project scripts (benchmarks, training, data generation). A package so that tests can import them."""
+"""Project scripts, run as modules from the repository root (``python -m scripts.bench.engine --help``):
+
+- `scripts.bench`: what the engine and the pipeline cost (engine, pipeline, cpu, fast) and the GPU exactness check;
+- `scripts.eval`: how well a model reads (demo) and how well scans are turned upright (orientation);
+- `scripts.train`: training the demo model (demo) and a block drafter (drafter);
+- `scripts.synth`: the synthetic document generator (``python -m scripts.synth``).
+"""

@@ -1,7 +1,7 @@
 """The block drafter on CPU, tiny random targets: output stays token-identical to official, the features the batched
 engine feeds it equal the R-SWA teacher features, its drafts for a batch of rows equal the network's draft of each
 row alone, the draft policy's rules, teacher data refuses tokens the target would not choose, and
-`scripts/train_drafter.py` runs end to end (loss falls; uflash then loads and uses the drafter)."""
+`scripts/train/drafter.py` runs end to end (loss falls; uflash then loads and uses the drafter)."""
 
 from __future__ import annotations
 
@@ -181,7 +181,7 @@ def test_policy_benches_a_missing_drafter_but_never_the_replay_drafter():
                                   ["--data", "labels", "--multi-frac", "1", "--multi-pages", "2"],
                                   ["--data", "decode", "--multi-frac", "1", "--multi-pages", "2"]])
 def test_train_drafter_script_end_to_end_and_uflash_uses_the_result(tmp_path, data):
-    from scripts.train_drafter import main
+    from scripts.train.drafter import main
 
     model = build_tiny_model(tmp_path / "target", sliding_window=8, seed=3, text_init=0.02)
     record_path = tmp_path / "record.json"
@@ -346,7 +346,7 @@ def test_train_drafter_decodes_with_the_init_drafter_and_live_checks_after_a_war
     """`--data decode --init D` decodes the teacher pages with `lossless` + D in one batch (same tokens, or the
     teacher forward would refuse them); `--eval-only` live-checks a drafter after one untimed warm-up chunk on both
     sides, each chunk alone and (`--eval-batch`) all in one batch."""
-    from scripts.train_drafter import main
+    from scripts.train.drafter import main
 
     model = build_tiny_model(tmp_path / "target", sliding_window=8, seed=3, text_init=0.02)
     common = ["--model", str(model), "--device", "cpu", "--dtype", "float32", "--max-new-tokens", "50"]

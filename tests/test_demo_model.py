@@ -97,7 +97,7 @@ def test_demo_model_plain_and_lossless_equal_official_on_10_pages(demo):
 def sentence_page(text: str):
     """A sentence typed on an A4 page as office software would (16 pt Helvetica from the top-left margin), rendered
     the way uflash renders PDFs."""
-    from scripts.eval_demo_model import typed_sentence_pdf
+    from scripts.eval.demo import typed_sentence_pdf
     from scripts.synth import render_pages
 
     return render_pages(typed_sentence_pdf(text, 72))[0]
@@ -110,8 +110,8 @@ def test_demo_model_reads_sentences_the_test_chooses(demo):
     from engine.batch_engine import BatchEngine
     from engine.official import decode_text
     from ingest.outputs import page_markdown
-    from scripts.demo_model import levenshtein
-    from scripts.eval_demo_model import OPEN_SENTENCES
+    from scripts.train.demo_model import levenshtein
+    from scripts.eval.demo import OPEN_SENTENCES
 
     engine = BatchEngine(demo, "lossless", max_batch=len(OPEN_SENTENCES))
     results = engine.run([engine.prepare([sentence_page(sentence)], 200) for sentence in OPEN_SENTENCES])

@@ -6,7 +6,8 @@ import json
 
 import torch
 
-from scripts import bench_engine, gpu_check
+from scripts.bench import engine as bench_engine
+from scripts.bench import gpu_check
 from tests.conftest import text_page
 
 
@@ -69,7 +70,7 @@ def test_gpu_check_cpu_smoke(tmp_path, tiny_model_dir, capsys):
 
 def test_bench_cpu_synth_smoke(tmp_path, capsys):
     """The CPU benchmark on held-out demo-generator pages: summed over documents, every run exact."""
-    from scripts import bench_cpu
+    from scripts.bench import cpu as bench_cpu
 
     path = tmp_path / "bench.json"
     rc = _keeping_threads(lambda: bench_cpu.main(["--tiny", "--synth", "2", "--max-new-tokens", "30", "--threads",

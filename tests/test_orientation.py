@@ -163,7 +163,8 @@ def test_the_demo_model_reads_a_turned_scan_as_it_reads_the_upright_one(tmp_path
     from engine.chunk_decode import load_decoder
     from ingest.config import load_settings
     from ingest.intake import intake_file
-    from ingest.report import _thumbnails, collect_report, format_report
+    from ingest.report import collect_report, format_report
+    from ingest.review_page import THUMB_PX, page_images
     from ingest.worker import Worker
     from scripts.synth import make_document, render_pages as synth_pages
     from tests.conftest import worker_config
@@ -183,7 +184,7 @@ def test_the_demo_model_reads_a_turned_scan_as_it_reads_the_upright_one(tmp_path
         intake_file(db, s, image_pdf(s.inbox / f"{name}.pdf", [image]))
         serve_until_done(Worker(s, db, lambda: decoder), db, timeout=600)
         report = format_report(collect_report(db))
-        (thumb,) = _thumbnails(str(s.archive / f"{name}.pdf"), "pdf", [1],
+        (thumb,) = page_images(str(s.archive / f"{name}.pdf"), "pdf", {1: THUMB_PX},
                                {1: collect_report(db)["documents"][0]["pages"][0]["turned"]}).values()
         db.dispose()
         (out,) = [f for f in s.outbox.iterdir() if f.name != "reports"]

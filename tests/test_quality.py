@@ -1,4 +1,4 @@
-"""Page quality (engine.quality), the log-probabilities the decoders record, and fast mode's relaxed acceptance."""
+"""Page figures (ingest.quality), the log-probabilities the decoders record, and fast mode's relaxed acceptance."""
 
 from __future__ import annotations
 
@@ -14,9 +14,8 @@ from engine.chunk_decode import EngineDecoder
 from engine.model import load_model
 from engine.ngram_rule import NoRepeatNgramRule
 from engine.official import official_generate
-from ingest.config import QualitySettings
-from ingest.quality import (distinct_n, edit_distance, finish_reason, grade, grade_document, loop_tail,
-                            looping, neighbour_ratio, normalized_edit_distance, page_quality)
+from ingest.quality import (Thresholds, distinct_n, edit_distance, finish_reason, loop_tail, looping,
+                            normalized_edit_distance, page_quality)
 from tests.conftest import text_page
 
 
@@ -66,30 +65,7 @@ def test_finish_reason_repetition_only_when_out_of_room():
     assert finish_reason("page_separator", list(range(50))) == "page_separator"
 
 
-def _clean_stats(**over):
-    base = {"finish_reason": "eos", "tokens": 500, "chars": 1800, "distinct_20": 1.0, "distinct_35": 1.0,
-            "mean_logprob": -0.05, "min_logprob": -2.1, "low_confidence_share": 0.01, "text_layer_ned": 0.05,
-            "neighbour_chars_ratio": 1.1}
-    return {**base, **over}
-
-
-def test_grading_on_synthetic_stats():
-    assert grade(_clean_stats()) == ("good", [])
-    assert grade(_clean_stats(finish_reason="page_separator", text_layer_ned=None)) == ("good", [])
-    assert grade(_clean_stats(finish_reason="repetition", distinct_20=0.3, distinct_35=0.4)) == \
-        ("poor", ["repetition", "low_distinct_20", "low_distinct_35"])
-    assert grade(_clean_stats(finish_reason="context_limit")) == ("poor", ["context_limit"])
-    assert grade(_clean_stats(mean_logprob=-0.8)) == ("fair", ["low_mean_logprob"])
-    assert grade(_clean_stats(mean_logprob=-3.0, low_confidence_share=0.5)) == \
-        ("poor", ["low_mean_logprob", "low_confidence_tokens"])
-    assert grade(_clean_stats(text_layer_ned=0.45)) == ("fair", ["text_layer_mismatch"])
-    assert grade(_clean_stats(text_layer_ned=0.9, neighbour_chars_ratio=0.1)) == \
-        ("poor", ["text_layer_mismatch", "chars_vs_neighbours"])
-    strict = QualitySettings(mean_logprob_fair=-0.01)
-    assert grade(_clean_stats(), strict) == ("fair", ["low_mean_logprob"])
-
-
-def test_page_quality_and_neighbours():
+def test_page_quality():
     ids = list(range(400))
     q = page_quality("eos", ids, [-0.01] * 399 + [-3.0], "Register of deeds, 1851. " * 8,
                      "Register of deeds, 1851. " * 8)
@@ -99,12 +75,6 @@ def test_page_quality_and_neighbours():
     assert page_quality("eos", ids, [], "x", None)["text_layer_ned"] is None  # no text layer: no comparison
     looped = page_quality("length", [7, 8, 9] * 100, [-0.2] * 300, "abc" * 100, None)
     assert looped["finish_reason"] == "repetition"
-    chars = [2000, 2100, 150, 1900]
-    assert neighbour_ratio(chars, 2) == pytest.approx(150 / 2000)
-    assert neighbour_ratio([50, 60], 0) is None  # too little text around to compare
-    graded = grade_document([{**_clean_stats(neighbour_chars_ratio=None), "chars": c} for c in chars])
-    assert [g["grade"] for g in graded] == ["good", "good", "fair", "good"]
-    assert graded[2]["reasons"] == ["chars_vs_neighbours"]
 
 
 # -- log-probabilities and fast mode on a tiny random model -------------------------------------------------
@@ -184,8 +154,8 @@ def test_quality_and_fast_settings_come_from_config_toml(tmp_path):
 
     s = load_settings(write_config(tmp_path, quality={"mean_logprob_fair": -0.2, "loop_min_tokens": 64},
                                    engine={"mode": "fast", "fast_threshold": 0.5}))
-    t = s.quality
-    assert (t.mean_logprob_fair, t.loop_min_tokens, t.distinct_20_poor) == (-0.2, 64, QualitySettings().distinct_20_poor)
+    t = s.quality.thresholds()
+    assert (t.mean_logprob_fair, t.loop_min_tokens, t.distinct_20_poor) == (-0.2, 64, Thresholds().distinct_20_poor)
     assert (s.engine.mode, s.engine.fast_threshold) == ("fast", 0.5)
     for bad in ({"quality": {"no_such_threshold": 1}}, {"quality": {"distinct_20_poor": "high"}},
                 {"engine": {"fast_threshold": 0.0}}):

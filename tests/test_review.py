@@ -313,8 +313,8 @@ def _doc_done(db) -> bool:
 
 
 def test_bench_fast_smoke(tmp_path):
-    """scripts/bench_fast.py end to end on a tiny random model (its figures mean nothing; the harness runs)."""
-    from scripts.bench_fast import main
+    """scripts/bench/fast.py end to end on a tiny random model (its figures mean nothing; the harness runs)."""
+    from scripts.bench.fast import main
 
     rec = main(["--tiny", "--pages", "2", "--pages-per-doc", "2", "--max-tokens-per-page", "16",
                 "--max-pages-per-chunk", "1", "--fast-threshold", "0.01,0.6", "--workdir", str(tmp_path)])

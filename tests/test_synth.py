@@ -114,10 +114,10 @@ def test_character_grid_marks_every_visible_character():
 
 
 def test_eval_sentence_pages_carry_their_sentence():
-    """scripts/eval_demo_model.py's sentence sets: the rendered page holds exactly the sentence it is scored on."""
+    """scripts/eval/demo.py's sentence sets: the rendered page holds exactly the sentence it is scored on."""
     import pymupdf
 
-    from scripts.eval_demo_model import OPEN_SENTENCES, list_sentences, sentence_pdf
+    from scripts.eval.demo import OPEN_SENTENCES, list_sentences, sentence_pdf
 
     for text in [OPEN_SENTENCES[0], *list_sentences(2, 820_000)]:
         with pymupdf.open(stream=sentence_pdf(text)) as doc:
@@ -147,7 +147,7 @@ def test_open_words_put_pseudo_words_on_the_page():
 def test_sparse_pages_are_nearly_empty_and_only_a_share_of_training_documents():
     """kind="sparse": one to three body elements anywhere on the page, no running header, deterministic; the
     text layer holds the labels' words. `demo_data.sparse_document` draws a fixed share of training seeds."""
-    from scripts.demo_data import sparse_document
+    from scripts.train.demo_data import sparse_document
 
     tops = []
     for seed in range(50_000, 50_020):

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from scripts import demo_model as dm
-from scripts.checks import overfit, rswa_agreement, tiny_setup, word_pages
+from scripts.train import demo_model as dm
+from scripts.train.demo_checks import overfit, rswa_agreement, tiny_setup, word_pages
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -85,7 +85,7 @@ def test_demo_tokenizer_makes_every_box_coordinate_one_token():
 def _char_grid_pages(tokenizer, size: int) -> list[tuple]:
     """Two word pages as training items: (pixels, label ids, character grid)."""
     from scripts.synth import page_arrays
-    from scripts.train_demo_model import char_tensor
+    from scripts.train.demo_data import char_tensor
 
     items = [it for s in range(2) for it in page_arrays(s, 1, size, kind="words", chars=True)]
     return [(torch.from_numpy(a), torch.tensor(tokenizer.encode(lbl, add_special_tokens=False)), char_tensor(g, size))
@@ -94,7 +94,8 @@ def _char_grid_pages(tokenizer, size: int) -> list[tuple]:
 
 def test_auxiliary_character_losses_reach_the_vision_tower(tiny):
     from scripts.synth.text import N_CHAR_CLASSES
-    from scripts.train_demo_model import loss_fn, make_batch
+    from scripts.train.demo_data import make_batch
+    from scripts.train.demo_loss import loss_fn
 
     model, tokenizer = tiny
     size = dm.PRESETS["tiny"]["image_size"]
@@ -135,9 +136,9 @@ def test_char_slots_point_at_the_vision_token_showing_each_character():
 
 
 def test_alignment_loss_targets_image_slots_and_trains_the_guided_heads(tiny):
-    from scripts.demo_data import token_slots
     from scripts.synth import page_arrays
-    from scripts.train_demo_model import loss_fn, make_batch
+    from scripts.train.demo_data import make_batch, token_slots
+    from scripts.train.demo_loss import loss_fn
 
     model, tokenizer = tiny
     size = dm.PRESETS["tiny"]["image_size"]
@@ -212,7 +213,8 @@ def test_character_tokenizer_gives_one_token_per_glyph_and_keeps_numbers_whole()
 
 def test_vision_only_phase_trains_the_tower_and_leaves_the_decoder_alone(tiny):
     from scripts.synth.text import N_CHAR_CLASSES
-    from scripts.train_demo_model import make_batch, vision_loss
+    from scripts.train.demo_data import make_batch
+    from scripts.train.demo_loss import vision_loss
 
     model, tokenizer = tiny
     size = dm.PRESETS["tiny"]["image_size"]
@@ -232,7 +234,7 @@ def test_vision_only_phase_trains_the_tower_and_leaves_the_decoder_alone(tiny):
 
 
 def test_batch_prefetcher_follows_the_plan_and_hands_errors_over():
-    from scripts.demo_data import BatchPrefetcher
+    from scripts.train.demo_data import BatchPrefetcher
 
     class Pool:  # stands in for PagePool: numbered pages
         def __init__(self):
@@ -253,7 +255,7 @@ def test_batch_prefetcher_follows_the_plan_and_hands_errors_over():
 
 
 def test_make_batch_decides_on_the_cpu_when_there_is_nothing_to_learn_from(tiny):
-    from scripts.train_demo_model import make_batch
+    from scripts.train.demo_data import make_batch
 
     _, tokenizer = tiny
     size = dm.PRESETS["tiny"]["image_size"]

@@ -760,8 +760,9 @@ def test_a_runaway_page_goes_back_alone_and_its_neighbours_are_decoded_once(tmp_
     doc = intake_file(db, s, pdf).document_id
     decoder = RunawayDecoder(pdf, 6, runaway=3)
     serve_until_done(Worker(s, db, lambda: decoder), db)
-    # before: [3-6] again, then halves [3-4], [5-6], then [3], [4]: pages 4-6 decoded three times each
-    assert sorted(decoder.calls) == [[1, 2, 3, 4, 5, 6], [3], [4, 5, 6]]
+    # before: [3-6] again, then halves [3-4], [5-6], then [3], [4]: pages 4-6 decoded three times each. Page 5's
+    # scripted reading ("p5") is far shorter than its print: the checks catch it and it is read again alone, once
+    assert sorted(decoder.calls) == [[1, 2, 3, 4, 5, 6], [3], [4, 5, 6], [5]]
     assert decoder.probes == 3  # as it is, 90, 270: in the first chunk only
     assert [n for _, n in pages_in_db(db, doc)] == [1] * 6
     with db.session() as ss:

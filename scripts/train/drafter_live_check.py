@@ -1,4 +1,4 @@
-"""The live check of a block drafter (`scripts/train_drafter.py --eval-pages`): `lossless` with the block drafter
+"""The live check of a block drafter (`scripts/train/drafter.py --eval-pages`): `lossless` with the block drafter
 alone against `plain` on the same chunks of held-out pages, side by side on `engine.batch_engine.BatchEngine` (CUDA
 graphs on a GPU): token-identical chunks, tau, acceptance by block position, the speed ratio and where a step's time
 goes (ms per plain step, draft, verify round, single step, and the engine's measured cost per step width).

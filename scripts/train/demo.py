@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
 """Train the demo Unlimited-OCR model from scratch on synthetic documents (one GPU, a fixed time budget).
 
-    python3 scripts/train_demo_model.py --out models/demo --minutes 8          # GPU run (see docs/demo_model_training.md)
-    python3 scripts/train_demo_model.py --overfit-test                         # CPU: 8 word images must be read
-    python3 scripts/train_demo_model.py --check-rswa                           # R-SWA scoring == generate()
-    python3 scripts/train_demo_model.py --preset tiny --minutes 1 --out /tmp/d # CPU pipeline smoke run
+    python -m scripts.train.demo --out models/demo --minutes 8          # GPU run (see docs/demo_model_training.md)
+    python -m scripts.train.demo --overfit-test                         # CPU: 8 word images must be read
+    python -m scripts.train.demo --check-rswa                           # R-SWA scoring == generate()
+    python -m scripts.train.demo --preset tiny --minutes 1 --out /tmp/d --align 1:2:here,2:2:next  # CPU smoke run
 
 Recipe (DESIGN section 3): the vision tower is initialised normally (not SAM's 1e-10 default) and kept frozen at
 its random init for the first `--freeze-frac` of the time (default 10%) while the decoder and projector learn to
@@ -21,27 +20,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing as mp
 import os
 import random
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
-from engine.official import official_generation_config  # noqa: E402
-from scripts import demo_model as dm  # noqa: E402
-from scripts.demo_data import BatchPrefetcher, PagePool, PageStream, char_tensor, make_batch  # noqa: E402,F401
-from scripts.synth import HELD_OUT_LIMIT, PAGE_SEPARATOR, page_arrays, strip_markup  # noqa: E402
+from scripts.synth import HELD_OUT_LIMIT, PAGE_SEPARATOR  # noqa: E402
+from scripts.train import demo_model as dm  # noqa: E402
+from scripts.train.demo_checks import run_check_rswa, run_overfit_test  # noqa: E402
+from scripts.train.demo_data import BatchPrefetcher, PagePool, PageStream, make_batch  # noqa: E402
+from scripts.train.demo_heldout import evaluate, held_out_pages, teacher_forced_pages  # noqa: E402
+from scripts.train.demo_loss import loss_fn, lr_factor, vision_loss  # noqa: E402
 
 START = time.time()
 
@@ -53,150 +48,11 @@ def log(msg: str, **fields) -> None:
     print(line, flush=True)
 
 
-def loss_fn(model, ids, lengths, pixels, prefix_len, window, grad_vision, pixel_dtype, aux_head=None, grids=None,
-            align=None, align_targets=None, n_image_slots: int | None = None) -> dict:
-    """Under the R-SWA mask: `loss` (mean cross-entropy of the output tokens, prefix and padding excluded),
-    `acc` (token accuracy), `word_acc` (accuracy on tokens that show on the page, when `align_targets` say
-    which), `first_acc` (the same on the first such token after markup or a space: word starts), `aux`
-    (auxiliary character/position loss, 0 without aux_head / grids), `align` and `align_acc` (guided-attention
-    loss and hit rate, 0 without `align`). `grids` / `align_targets` are None when the batch
-    has no character cells / no slot targets (`make_batch` decides on the CPU, so no step waits on the GPU);
-    n_image_slots (all pages' slots) spares the alignment loss a host sync."""
-    T = ids.shape[1]
-    for head in (aux_head, align):
-        if head is not None:
-            head.active = True
-    try:
-        logits, tokens = dm.score(model, ids, dm.pixels_from_uint8(pixels, pixel_dtype), prefix_len, window,
-                                  grad_vision=grad_vision, keep=T - prefix_len + 1, return_tokens=True)
-    finally:
-        for head in (aux_head, align):
-            if head is not None:
-                head.active = False
-    logits = logits[:, :-1].float()
-    targets = ids[:, prefix_len:]
-    valid = torch.arange(prefix_len, T, device=ids.device)[None] < lengths[:, None]
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
-    valid_f = valid.reshape(-1).float()
-    right = logits.argmax(-1) == targets
-    out = {"loss": (loss * valid_f).sum() / valid_f.sum(), "acc": (right & valid).sum() / valid.sum()}
-    zero = torch.zeros((), device=ids.device)
-    out["word_acc"] = out["first_acc"] = zero
-    if align_targets is not None:
-        words = align_targets[:, prefix_len - 1 : T - 1] >= 0
-        out["word_acc"] = (right & words).sum() / words.sum().clamp(min=1)
-        # the first page character after markup or a space: no dictionary can guess it, only reading can
-        first = words & ~(align_targets[:, prefix_len - 2 : T - 2] >= 0)
-        out["first_acc"] = (right & first).sum() / first.sum().clamp(min=1)
-    out["aux"] = zero
-    if aux_head is not None and grids is not None:
-        out["aux"] = aux_head.loss(tokens, grids)
-    elif aux_head is not None:
-        aux_head._sam_out = None
-    n_keys = None if n_image_slots is None else n_image_slots + 1
-    out["align"], out["align_acc"] = align.loss(align_targets, n_keys) if align is not None else (zero, zero)
-    return out
-
-
-def vision_loss(model, pixels, pixel_dtype, aux_head, grids) -> dict:
-    """The vision-only phase (`--vision-pretrain-frac`): the auxiliary character/position losses of the vision
-    tower alone, no decoder forward. Same keys as `loss_fn`, the language ones zero."""
-    aux_head.active = True
-    try:
-        _, tokens = dm.image_embeddings(model, dm.pixels_from_uint8(pixels, pixel_dtype), True, return_tokens=True)
-    finally:
-        aux_head.active = False
-    zero = torch.zeros((), device=pixels.device)
-    if grids is None:  # scan-like pages only: no character cells to learn from
-        aux_head._sam_out, aux = None, zero
-    else:
-        aux = aux_head.loss(tokens, grids)
-    return {"loss": zero, "acc": zero, "word_acc": zero, "first_acc": zero, "aux": aux, "align": zero,
-            "align_acc": zero}
-
-
-# ---------------------------------------------------------------- greedy decoding (official rule)
-def greedy(model, tokenizer, pages_u8: torch.Tensor, n_pages: int, tpp: int, max_new_tokens: int,
-           pixel_dtype=torch.float32, max_time: float | None = None) -> list[list[int]]:
-    """Official greedy decode (no-repeat-ngram 35, window 128/1024) of a batch of samples with n_pages pages each.
-    pages_u8: [B * n_pages, S, S]. All prompts have the same length, so no padding is needed."""
-    device = next(model.parameters()).device
-    prompt = dm.prompt_ids(tokenizer, n_pages, tpp)
-    B = pages_u8.shape[0] // n_pages
-    ids = torch.tensor([prompt] * B, device=device)
-    ns = SimpleNamespace(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-    config = official_generation_config(ns, "single" if n_pages == 1 else "multi", max_new_tokens)
-    if max_time:
-        config.max_time = max_time  # a time box for evaluation during training (stops all rows)
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                             pixel_values=dm.pixels_from_uint8(pages_u8.to(device), pixel_dtype),
-                             generation_config=config)
-    result = []
-    for row in out[:, len(prompt):].tolist():
-        if tokenizer.eos_token_id in row:
-            row = row[: row.index(tokenizer.eos_token_id) + 1]
-        result.append(row)
-    return result
-
-
-def decoded_text(tokenizer, ids: list[int]) -> str:
-    drop = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id}
-    return tokenizer.decode([i for i in ids if i not in drop], skip_special_tokens=False)
-
-
-def held_out_pages(n: int, size: int, seed0: int, n_pages: int = 1, kind="document"):
-    """n documents of n_pages pages from held-out seeds (< HELD_OUT_LIMIT), difficulty 1."""
-    assert seed0 + n <= HELD_OUT_LIMIT
-    docs = [page_arrays(seed0 + k, n_pages, size, 0.0, 1.0, kind) for k in range(n)]
-    return docs
-
-
-def teacher_forced_pages(tokenizer, n: int, size: int, seed0: int, kind: str = "document") -> list[tuple]:
-    """Held-out single pages as `make_batch` items (pixels, ids, no char grid, image slot per token)."""
-    from scripts.demo_data import token_slots
-
-    assert seed0 + n <= HELD_OUT_LIMIT
-    out = []
-    for k in range(n):
-        for arr, label, slots in page_arrays(seed0 + k, 1, size, 0.0, 1.0, kind, slots=True):
-            enc = tokenizer(label, add_special_tokens=False, return_offsets_mapping=True)
-            out.append((torch.from_numpy(arr), torch.tensor(enc["input_ids"]), None,
-                        token_slots(enc["offset_mapping"], slots)))
-    return out
-
-
-def greedy_cer(model, tokenizer, docs, tpp, pixel_dtype, max_new_per_page=900, max_time=None):
-    """Mean CER and page-count agreement of greedy outputs of held-out documents (batched)."""
-    n_pages = len(docs[0])
-    pages = torch.stack([torch.from_numpy(a) for d in docs for a, _ in d])
-    longest = max(len(tokenizer.encode(lbl, add_special_tokens=False)) for d in docs for _, lbl in d)
-    outs = greedy(model, tokenizer, pages, n_pages, tpp, min(max_new_per_page, longest + 64) * n_pages, pixel_dtype,
-                  max_time)
-    cers, ok_pages, ended = [], 0, 0
-    for d, out in zip(docs, outs):
-        text = decoded_text(tokenizer, out)
-        ended += bool(out) and out[-1] == tokenizer.eos_token_id
-        if n_pages > 1:
-            parts = [p for p in text.split(PAGE_SEPARATOR)]
-            parts = parts[1:] if parts and not parts[0].strip() else parts
-            ok_pages += len(parts) == n_pages
-            text = " ".join(parts)
-        cers.append(dm.cer(strip_markup(text), strip_markup(" ".join(lbl for _, lbl in d))))
-    return {"cer": sum(cers) / len(cers), "eos": ended / len(docs), "pages_ok": ok_pages / len(docs),
-            "sample": decoded_text(tokenizer, outs[0])[:160]}
-
-
 # ---------------------------------------------------------------- training
 def autocast_factory(cuda: bool):
     """A function returning a fresh autocast context: bf16 on the GPU, nothing on the CPU."""
     return (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else \
         (lambda: torch.autocast("cpu", enabled=False))
-
-
-def lr_factor(step: int, frac: float, warmup: int, floor: float = 0.05) -> float:
-    return min(1.0, (step + 1) / warmup) * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
 def build_or_resume(args, device):
@@ -283,7 +139,7 @@ def train(args) -> dict:
     loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=args.workers,
                                          prefetch_factor=8 if args.workers else None, multiprocessing_context=ctx,
                                          persistent_workers=False)
-    pool = PagePool(loader, args.buffer_pages, args.seed)
+    pool = PagePool(loader, args.buffer_pages, args.seed, log=log)
 
     pixel_dtype = torch.bfloat16 if cuda else torch.float32
     amp = autocast_factory(cuda)
@@ -418,6 +274,7 @@ def train(args) -> dict:
                 history.append(evaluate(model, tokenizer, tf_pages, eval_docs, tpp, window, prompts, page_sep, eos,
                                         pad, device, amp, pixel_dtype, step,
                                         greedy_pages=args.eval_pages if do_greedy else 0, max_time=12.0))
+                log("eval", **history[-1])
                 last_eval = time.time()
                 last_greedy = last_eval if do_greedy else last_greedy
             if args.out and args.save_every and time.time() - last_save >= args.save_every \
@@ -439,6 +296,7 @@ def train(args) -> dict:
         final = evaluate(model, tokenizer, tf_pages, eval_docs, tpp, window, prompts, page_sep, eos, pad, device,
                          amp, pixel_dtype, step, greedy_pages=args.eval_pages if budget > 10 else 0,
                          multi=budget > 40, max_time=max(5.0, min(30.0, 0.45 * budget)))
+        log("eval", **final)
     except Exception as exc:  # noqa: BLE001
         final = {"error": f"{type(exc).__name__}: {exc}"}
         log("final evaluation failed", **final)
@@ -464,50 +322,20 @@ def train(args) -> dict:
     return record
 
 
-def evaluate(model, tokenizer, tf_pages, eval_docs, tpp, window, prompts, page_sep, eos, pad, device, amp,
-             pixel_dtype, step, greedy_pages=6, multi=False, max_time=20.0):
-    """Teacher-forced loss / token accuracy on 16 held-out pages, greedy CER on a few held-out pages."""
-    t = time.time()
-    model.eval()
-    with torch.no_grad(), amp():
-        ids, lengths, pixels, _, targets = make_batch(tf_pages, 1, prompts[1], page_sep, eos, pad, device, tpp)
-        res = loss_fn(model, ids, lengths, pixels, len(prompts[1]), window, False, pixel_dtype,
-                      align_targets=targets)
-    out = {"step": step, "heldout_loss": res["loss"].item(), "heldout_tok_acc": res["acc"].item(),
-           "heldout_word_acc": res["word_acc"].item(), "heldout_first_acc": res["first_acc"].item()}
-    if greedy_pages:
-        with amp():
-            out.update({f"greedy_{k}": v for k, v in greedy_cer(model, tokenizer, eval_docs[:greedy_pages], tpp,
-                                                                 pixel_dtype, max_time=max_time).items()})
-        if multi:
-            docs4 = held_out_pages(2, model_image_size(model), 920_000, n_pages=4)
-            with amp():
-                out.update({f"multi4_{k}": v for k, v in greedy_cer(model, tokenizer, docs4, tpp, pixel_dtype,
-                                                                    max_time=max_time).items() if k != "sample"})
-    out["seconds"] = time.time() - t
-    log("eval", **out)
-    model.train()
-    return out
-
-
-def model_image_size(model) -> int:
-    return model.config.vision_config.sam_config.image_size
-
-
 # ---------------------------------------------------------------- checks
 def check_rswa(args) -> None:
     """Teacher-forced scoring with the R-SWA mask reproduces generate()'s greedy tokens at every position, for a
-    single page and a 2-page prompt, alone and inside a right-padded batch; full causal scoring does not."""
-    from scripts.checks import run_check_rswa
-
-    run_check_rswa(args, log)
+    single page and a 2-page prompt, alone and inside a right-padded batch; full causal scoring does not. On a
+    random tiny model, or on the ``--resume`` one."""
+    trained = None
+    if args.resume:
+        model, tokenizer, size, _ = build_or_resume(args, torch.device("cpu"))
+        trained = (model.float(), tokenizer, size)
+    run_check_rswa(log, trained)
 
 
 def overfit_test(args) -> None:
-    from scripts.checks import run_overfit_test
-
-    ok = run_overfit_test(args, log)
-    sys.exit(0 if ok else 1)
+    sys.exit(0 if run_overfit_test(args.steps, log) else 1)
 
 
 def parse_args(argv=None):
@@ -550,10 +378,10 @@ def parse_args(argv=None):
     ap.add_argument("--scan-prob", type=float, default=0.2)
     ap.add_argument("--sparse", type=float, default=0.0,
                     help="share of training documents drawn as nearly empty pages (one to three elements anywhere, "
-                         "rarely a header): reading a lone line lower on a page (eval_demo_model.py --sparse)")
+                         "rarely a header): reading a lone line lower on a page (scripts.eval.demo --sparse)")
     ap.add_argument("--open-words", type=float, default=0.0,
                     help="share of training words replaced by pseudo-words no word list holds (the model must read "
-                         "them letter by letter; eval_demo_model.py --sentences measures the gap); held-out "
+                         "them letter by letter; scripts.eval.demo --sentences measures the gap); held-out "
                          "evaluation pages keep 0")
     ap.add_argument("--kind", default="document", choices=["document", "words"],
                     help="training pages: synthetic documents, or 1-3 big words (a quick learnability probe)")

@@ -1,13 +1,12 @@
-#!/usr/bin/env python3
 """Train the block drafter (`engine/drafters/block.py`) for an Unlimited-OCR checkpoint, on one GPU (or the CPU).
 
-    python3 scripts/train_drafter.py --model models/demo --minutes 12                 # synthetic scan-like pages
-    python3 scripts/train_drafter.py --model models/Unlimited-OCR --images my_scans/ --minutes 30
-    python3 scripts/train_drafter.py --tiny --steps 40 --pages 3 --max-new-tokens 80   # CPU smoke run
-    python3 scripts/train_drafter.py --model models/demo --init models/demo/drafter --page-seed 1100000 --lr 5e-4
-    python3 scripts/train_drafter.py --model models/demo --eval-only --eval-pages 30   # live check of <model>/drafter
+    python -m scripts.train.drafter --model models/demo --minutes 12                 # synthetic scan-like pages
+    python -m scripts.train.drafter --model models/Unlimited-OCR --images my_scans/ --minutes 30
+    python -m scripts.train.drafter --tiny --steps 40 --pages 3 --max-new-tokens 80   # CPU smoke run
+    python -m scripts.train.drafter --model models/demo --init models/demo/drafter --page-seed 1100000 --lr 5e-4
+    python -m scripts.train.drafter --model models/demo --eval-only --eval-pages 30   # live check of <model>/drafter
 
-How models/demo/drafter was made (one H200, sessions 11-12): 4 minutes on 2,500 label pages, then 3.5 minutes more
+How models/demo/drafter was made (one H200): 4 minutes on 2,500 label pages, then 3.5 minutes more
 from it (`--init`) on 2,000 new ones (`--page-seed 1100000 --lr 5e-4`), then 3 minutes more on 2,000 new pages
 as chunks of 1-4 pages (`--page-seed 1200000 --multi-frac 0.5 --multi-pages 4 --lr 5e-4`); all with `--workers 15
 --batch 512 --anchors 16`; docs/benchmarks.md has the figures.
@@ -30,7 +29,7 @@ as chunks of 1-4 pages (`--page-seed 1200000 --multi-frac 0.5 --multi-pages 4 --
    position and the tau it implies (leading drafts that match the target's greedy chain), logged while training.
 5. Saved to `<model>/drafter` (or `--out`): uflash's lossless and fast modes use it from then on. `--init FOLDER`
    continues training a saved drafter (its shape and target layers), e.g. on new pages (`--page-seed`).
-6. Live check (`--eval-pages`, `scripts/drafter_live_check.py`): `lossless` with the block drafter alone against
+6. Live check (`--eval-pages`, `scripts/train/drafter_live_check.py`): `lossless` with the block drafter alone against
    `plain` on pages never trained on, each chunk alone (or all in one batch, `--eval-batch`): token-identical,
    tau, acceptance by position, speed ratio.
 Prints a table, then one JSON line.
@@ -47,17 +46,14 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import torch
+from tqdm import tqdm
 
-from engine.drafters.block import BlockDrafterConfig, BlockDrafterNet, block_loss, drafter_folder  # noqa: E402
-from engine.drafters.block_teacher import (label_features, make_examples, teacher_features,  # noqa: E402
+from engine.drafters.block import BlockDrafterConfig, BlockDrafterNet, block_loss, drafter_folder
+from engine.drafters.block_teacher import (label_features, make_examples, teacher_features,
                                           training_windows)
-from scripts.drafter_live_check import chunked, evaluate  # noqa: E402
+from scripts.train.drafter_live_check import chunked, evaluate
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".tif", ".tiff"}
 DECODE_BATCH = 64  # chunks in flight while decoding teacher pages

@@ -9,7 +9,7 @@ time to the first finished document (its ledger completion time after the comman
 tokens per second of decoding, mean tau and the mean batch size pages were decoded in (``stats.batch_rows``).
 Prints a table; the last line is one JSON object (also written to ``--json``).
 
-    python scripts/bench_pipeline.py --docs 50 --doc-pages 4 --max-batch 1,auto --json $OUT/pipeline.json
+    python -m scripts.bench.pipeline --docs 50 --doc-pages 4 --max-batch 1,auto --json $OUT/pipeline.json
 """
 
 from __future__ import annotations
@@ -25,10 +25,6 @@ import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 def write_documents(folder: Path, docs: int, pages: int, seed0: int, scan: bool) -> list[Path]:
@@ -65,7 +61,7 @@ def one_setting(args, documents: list[Path], max_batch: str, work: Path) -> dict
     started = datetime.now().astimezone()
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "ingest.cli", "--config", str(config), "run", *map(str, documents),
-                           "--out", str(folder / "out")], cwd=ROOT, env=env, capture_output=True, text=True)
+                           "--out", str(folder / "out")], env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - t0
     row = {"max_batch": max_batch, "exit_code": proc.returncode, "seconds": round(seconds, 2)}
     if proc.returncode != 0:

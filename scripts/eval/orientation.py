@@ -3,7 +3,7 @@ pages upright, turned a quarter each way and upside down, each through `choose_t
 worker makes them. Prints a table (per way the page came: looked at, turned right, turned wrong, left) and ends
 with one JSON line.
 
-    python scripts/eval_orientation.py --model models/demo --pages 24 [--samples ../shared/samples/real]
+    python -m scripts.eval.orientation --model models/demo --pages 24 [--samples ../shared/samples/real]
 
 --samples: also the stripe ratio and ragged edges of every page of the real sample files (no model): which ones
 would be probed. The record also has the stripe ratios of 15 born-digital list pages (2-14 words a line, 8-34
@@ -19,11 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.chunk_decode import load_decoder  # noqa: E402
-from ingest.orientation import (  # noqa: E402
-    OrientationConfig,
+from engine.chunk_decode import load_decoder
+from ingest.config import OrientationSettings
+from ingest.orientation import (
     choose_turn,
     decoder_probe,
     ragged_edges,
@@ -89,14 +88,14 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", default="lossless")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--probe-tokens", type=int, default=OrientationConfig.probe_tokens)
-    ap.add_argument("--min-gain", type=float, default=OrientationConfig.min_gain)
+    ap.add_argument("--probe-tokens", type=int, default=OrientationSettings().probe_tokens)
+    ap.add_argument("--min-gain", type=float, default=OrientationSettings().min_gain)
     ap.add_argument("--samples", help="folder of real scans: report the stripe ratio of each page")
     ap.add_argument("--json", help="also write the record here")
     args = ap.parse_args(argv)
     from scripts.synth import make_document, render_pages
 
-    config = OrientationConfig(probe_tokens=args.probe_tokens, min_gain=args.min_gain)
+    config = OrientationSettings(probe_tokens=args.probe_tokens, min_gain=args.min_gain)
     decoder = load_decoder(args.model, args.device, args.dtype, args.mode)
     probe_s = []
     read = decoder_probe(decoder, 32_768, config.probe_tokens)

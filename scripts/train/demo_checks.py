@@ -1,4 +1,5 @@
-"""CPU checks of the demo-model training code (used by scripts/train_demo_model.py and the tests).
+"""CPU checks of the demo-model training code (``python -m scripts.train.demo --overfit-test`` and
+``--check-rswa`` run them; the tests use the pieces).
 
 - `run_overfit_test`: a tiny model must learn to read 8 fixed word images (loss far below the "ignore the
   image" level ln(8) / tokens, and greedy decoding reproduces every label), with the DESIGN recipe: vision
@@ -16,8 +17,11 @@ from pathlib import Path
 
 import torch
 
-from scripts import demo_model as dm
 from scripts.synth import PAGE_SEPARATOR, page_arrays
+from scripts.train import demo_model as dm
+from scripts.train.demo_data import make_batch
+from scripts.train.demo_heldout import decoded_text, greedy
+from scripts.train.demo_loss import loss_fn, lr_factor
 
 WORD_SEEDS = range(8)
 
@@ -35,8 +39,6 @@ def tiny_setup(labels: list[str], preset: str = "tiny", seed: int = 0, text_init
 def overfit(model, tokenizer, pages, steps: int, lr: float = 2e-3, freeze_steps: int | None = None,
             vision_lr_ratio: float = 0.1, log=None, log_every: int = 25) -> list[float]:
     """Full-batch training of single-page samples; returns the loss per step."""
-    from scripts.train_demo_model import lr_factor, loss_fn, make_batch
-
     torch.manual_seed(0)
     size = model.config.vision_config.sam_config.image_size
     tpp = dm.tokens_per_page(size)
@@ -72,7 +74,7 @@ def overfit(model, tokenizer, pages, steps: int, lr: float = 2e-3, freeze_steps:
     return losses
 
 
-def run_overfit_test(args, log) -> bool:
+def run_overfit_test(steps: int, log) -> bool:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     t0 = time.time()
     size = dm.PRESETS["tiny"]["image_size"]
@@ -83,9 +85,7 @@ def run_overfit_test(args, log) -> bool:
     floor = math.log(len(pages)) / (sum(n_tokens) / len(n_tokens))
     log("overfit test", pages=len(pages), params=sum(p.numel() for p in model.parameters()), image_size=size,
         ignore_image_loss=floor, labels=[lbl.split("<|/det|>")[1] for lbl in labels])
-    losses = overfit(model, tokenizer, pages, args.steps, log=log)
-    from scripts.train_demo_model import decoded_text, greedy
-
+    losses = overfit(model, tokenizer, pages, steps, log=log)
     outs = greedy(model, tokenizer, torch.stack([torch.from_numpy(a) for a, _ in pages]), 1,
                   dm.tokens_per_page(size), max(n_tokens) + 8)
     exact = 0
@@ -164,13 +164,11 @@ def rswa_agreement(model, tokenizer, size: int, new_tokens: int, log=None) -> in
     return checked
 
 
-def run_check_rswa(args, log) -> None:
+def run_check_rswa(log, trained: tuple | None = None) -> None:
+    """`rswa_agreement` on ``trained`` (model, tokenizer, image size) or on a random tiny model."""
     torch.manual_seed(0)
-    if args.resume:
-        from scripts.train_demo_model import build_or_resume
-
-        model, tokenizer, size, _ = build_or_resume(args, torch.device("cpu"))
-        model = model.float()
+    if trained is not None:
+        model, tokenizer, size = trained
     else:  # a random tiny model; a large text init gives long, varied greedy outputs (as engine/tiny.py)
         size = dm.PRESETS["tiny"]["image_size"]
         model, tokenizer = tiny_setup([lbl for _, lbl in word_pages(size)], text_init=0.2)

@@ -24,8 +24,8 @@ Prints a table; the last line is one JSON object (also written to ``--json``). `
 the CPU (a smoke test of this script). ``--model DIR --pages-dir PNGS`` measures a trained model on real pages
 instead (its drafts still come from ``--rates``; EOS ends a chunk where the model says so).
 
-    python scripts/bench_engine.py --batch 1,8,32,64,128,256 --pages 1,4 --invariance 64 --json $OUT/bench_engine.json
-    python scripts/bench_engine.py --tiny --batch 1,2 --pages 1 --tokens 24 --rates 10 --mem-tokens ""
+    python -m scripts.bench.engine --batch 1,8,32,64,128,256 --pages 1,4 --invariance 64 --json $OUT/bench_engine.json
+    python -m scripts.bench.engine --tiny --batch 1,2 --pages 1 --tokens 24 --rates 10 --mem-tokens ""
 """
 
 from __future__ import annotations
@@ -41,9 +41,6 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 PROMPT_IDS = {"single": [12, 345, 6789, 13], "multi": [4242, 77, 901, 2345, 13]}  # stand-ins for the prompts
 

@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Evaluate a (demo) Unlimited-OCR model on held-out synthetic documents through the official decode path.
 
-    python3 scripts/eval_demo_model.py --model models/demo [--pages 50 --chunks 10 --office 1] [--device cpu]
+    python -m scripts.eval.demo --model models/demo [--pages 50 --chunks 10 --office 1] [--device cpu]
 
 1. single pages: N held-out synthetic pages (seeds never used in training), `document parsing.`; character
    error rate against the labels' text (markup, boxes and table tags stripped, whitespace collapsed);
@@ -27,13 +26,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from scripts.demo_model import levenshtein  # noqa: E402
-from scripts.synth import HELD_OUT_LIMIT, make_document, render_pages, strip_markup  # noqa: E402
-from scripts.synth.text import paragraph  # noqa: E402
+from scripts.train.demo_model import levenshtein
+from scripts.synth import HELD_OUT_LIMIT, make_document, render_pages, strip_markup
+from scripts.synth.text import paragraph
 
 RENDER_PX = 1024  # ingest/render.py DEFAULT_TARGET_PX (raised to the model's base size when that is larger)
 
@@ -159,7 +155,7 @@ class Scorer:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(ROOT / "models" / "demo"))
+    ap.add_argument("--model", default="models/demo")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--pages", type=int, default=50, help="held-out single pages")

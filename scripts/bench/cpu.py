@@ -3,7 +3,7 @@
 Pages: a synthetic PDF (pymupdf, with a text layer) rendered by `ingest.render.render_pages`; one chunk of
 ``--pages`` pages (1 page: single prompt, else multi). With ``--synth N``: N held-out documents of the demo
 model's generator (scripts/synth, seeds 860,000+, never trained on), each a PDF with a text layer decoded as
-``--pages``-page chunks; figures are summed over the N (issue 5's benchmark: 20 pages of the demo model).
+``--pages``-page chunks; figures are summed over the N (the demo model's CPU benchmark: ``--synth 20``).
 Runs, each checked token for token against official:
 - official         transformers generate() (engine.official)
 - plain            engine.batch_engine at batch 1, no drafts (one token per forward)
@@ -18,9 +18,9 @@ The last two run only when the model folder has a drafter (``--no-block`` leaves
 Wall time of each run includes the processor, the vision encoder and the prefill (best of ``--repeat``).
 
 Prints a table, then one JSON line. Usage:
-    python scripts/bench_cpu.py --model models/demo --pages 2 --max-new-tokens 512 --json bench.json
-    python scripts/bench_cpu.py --tiny --pages 3 --max-new-tokens 400
-    python scripts/bench_cpu.py --model models/demo --synth 20 --max-new-tokens 1500 --json bench.json
+    python -m scripts.bench.cpu --model models/demo --pages 2 --max-new-tokens 512 --json bench.json
+    python -m scripts.bench.cpu --tiny --pages 3 --max-new-tokens 400
+    python -m scripts.bench.cpu --model models/demo --synth 20 --max-new-tokens 1500 --json bench.json
 """
 
 from __future__ import annotations
@@ -38,9 +38,6 @@ import pymupdf
 import torch
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # scripts.synth (the demo generator) is not an installed package
-    sys.path.insert(0, str(ROOT))
 
 WORDS = ("archive register record volume folio entry parish county deed survey estate witness clerk index "
          "census ledger account total balance payment year month date name place office number page").split()

@@ -11,7 +11,7 @@ e.g. held-out synthetic pages rendered as uflash renders them. Chunks: 1-page an
 Prints a table; the last line is one JSON object (also written to ``--json``). Exit status 1 when an fp32 chunk
 differs from official or an invariant bf16 chunk differs from its decode alone.
 
-    python scripts/gpu_check.py --model models/demo --pages-dir pages --json $OUT/gpu_check.json
+    python -m scripts.bench.gpu_check --model models/demo --pages-dir pages --json $OUT/gpu_check.json
 """
 
 from __future__ import annotations
@@ -24,10 +24,6 @@ import traceback
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 def load_pages(folder: Path) -> list[tuple[object, str]]:

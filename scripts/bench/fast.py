@@ -9,7 +9,7 @@ in its own ledger and folders under a temporary directory, with one model loaded
 3. ``rerun``: in the fast ledger, ``uflash rerun --mode lossless`` of every page (the fast output is the
    replay/reference draft), timed; its texts must equal the first lossless run's exactly.
 Times are the worker's wall time (model loading excluded, rendering and DB included) and the decoders' own
-seconds (sum over chunks). Acceptance targets (issue 8, on the demo model): fast >= 1.3x faster than lossless,
+seconds (sum over chunks). Targets (on the demo model): fast >= 1.3x faster than lossless,
 mean distance <= 0.01 and max <= 0.05, re-run <= 1/4 of the first lossless run and identical text.
 
 ``--fast-threshold 0.1,0.2,0.3`` sweeps: one lossless pass, then a fast pass and its re-run per threshold (the
@@ -19,8 +19,8 @@ timing noise (25% between identical passes) does not move, and the one that carr
 verify round costs about as much as a single step.
 
 Prints a table, then one JSON object as the last line. Usage:
-    python scripts/bench_fast.py --model models/demo --pages 50 --json bench_fast.json   # chunks of <= 4 pages
-    python scripts/bench_fast.py --tiny --pages 4 --max-tokens-per-page 60     # smoke test: numbers mean nothing
+    python -m scripts.bench.fast --model models/demo --pages 50 --json bench_fast.json   # chunks of <= 4 pages
+    python -m scripts.bench.fast --tiny --pages 4 --max-tokens-per-page 60     # smoke test: numbers mean nothing
 """
 
 from __future__ import annotations
@@ -34,11 +34,8 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from scripts.synth import HELD_OUT_LIMIT, make_document  # noqa: E402
+from scripts.synth import HELD_OUT_LIMIT, make_document
 
 DEFAULT_SEED = 770_001  # held out: below HELD_OUT_LIMIT, never used for training
 
@@ -77,7 +74,7 @@ def write_documents(inbox: Path, n_pages: int, pages_per_doc: int, seed: int, sc
 def cer_to_labels(texts: dict, labels: dict) -> float:
     """Character error rate of a pass's pages against the generator's labels (markup stripped, whitespace
     collapsed): how close each pass is to the truth, not to the other pass."""
-    from scripts.demo_model import levenshtein
+    from scripts.train.demo_model import levenshtein
     from scripts.synth import strip_markup
 
     edits = chars = 0
@@ -192,7 +189,7 @@ def figures(r: dict, keys=("wall_s", "decode_s", "tokens", "forwards", "relaxed_
 
 def compare(threshold: float, lossless: dict, fast: dict, again: dict, keys: list, labels: dict) -> dict:
     """One fast pass and its lossless re-run against the first lossless pass."""
-    from engine.quality import normalized_edit_distance
+    from ingest.quality import normalized_edit_distance
 
     neds = [normalized_edit_distance(fast["texts"][k], lossless["texts"][k]) for k in keys]
     same = [again["texts"].get(k) == lossless["texts"][k] for k in keys]

@@ -17,12 +17,6 @@ import torch
 from scripts.synth import page_arrays
 
 
-def _log(msg: str, **fields) -> None:
-    from scripts.train_demo_model import log
-
-    log(msg, **fields)
-
-
 class PageStream(torch.utils.data.IterableDataset):
     """Endless pages from training seeds: (uint8 [S, S], int32 label ids). Worker w of n takes document seeds
     seed_base + w, + w + n, ...; documents have 1-3 pages; difficulty is read from a shared value."""
@@ -90,9 +84,10 @@ def char_tensor(grid, size: int) -> torch.Tensor:
 
 
 class PagePool:
-    """Fresh pages from the DataLoader (pulled by a thread) plus a ring buffer of recent pages for replay."""
+    """Fresh pages from the DataLoader (pulled by a thread) plus a ring buffer of recent pages for replay. ``log``
+    (message, **fields) hears of a data-worker failure, after which training goes on from the buffer."""
 
-    def __init__(self, loader, capacity: int, seed: int, queue_pages: int = 512):
+    def __init__(self, loader, capacity: int, seed: int, *, log, queue_pages: int = 512):
         self.q: queue.Queue = queue.Queue(maxsize=queue_pages)  # bounded: idle workers when the GPU is slower
         self.buf: list = []
         self.capacity, self.pos = capacity, 0
@@ -100,6 +95,7 @@ class PagePool:
         self.fresh_used = self.replayed = 0
         self.stop = threading.Event()
         self.error: BaseException | None = None
+        self.log = log
         self.it = iter(loader)
         self.thread = threading.Thread(target=self._pull, daemon=True)
         self.thread.start()
@@ -111,7 +107,7 @@ class PagePool:
                     return
         except BaseException as exc:  # noqa: BLE001 - a dead data worker: train on from the replay buffer
             self.error = exc
-            _log("data workers failed; continuing from the replay buffer", error=f"{type(exc).__name__}: {exc}")
+            self.log("data workers failed; continuing from the replay buffer", error=f"{type(exc).__name__}: {exc}")
 
     def _get(self):
         while True:
