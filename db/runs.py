@@ -61,6 +61,12 @@ def run_pages(db: Database, run_id: int) -> list[tuple[Page, Document]]:
                                             .where(Page.run_id == run_id).order_by(Document.id, Page.page_index))]
 
 
+def run_chunk_stats(db: Database, run_id: int) -> list[dict[str, Any]]:
+    """The decode stats of every chunk run ``run_id`` stored, by chunk id."""
+    with db.session() as s:
+        return [c.stats or {} for c in s.scalars(select(Chunk).where(Chunk.run_id == run_id).order_by(Chunk.id))]
+
+
 def last_page_at(db: Database, run_id: int) -> datetime | None:
     """When run ``run_id`` stored its last page."""
     with db.session() as s:

@@ -21,6 +21,7 @@ from db.session import masked_url
 from ingest.config import Settings, load_settings
 from ingest.errors import (ConfigError, ExitCode, InfrastructureError, InputRejected, ModelUnavailable, UflashError,
                            UsageError, infrastructure_problem)
+from ingest.cli_parser import build_parser
 from ingest.ledger import missing_ledger, open_existing_ledger, open_ledger, open_ledger_waiting
 from ingest.logs import setup_logging
 
@@ -33,62 +34,6 @@ def exit_code(e: UflashError | type[UflashError]) -> ExitCode:
     """The exit code of an error (or of an error class)."""
     cls = e if isinstance(e, type) else type(e)
     return next((code for kind, code in EXIT_CODES.items() if issubclass(cls, kind)), ExitCode.UNEXPECTED)
-
-MODES = ["official", "plain", "lossless", "fast"]
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="uflash", description="Watch-folder batch OCR with Unlimited-OCR.")
-    p.add_argument("--config", metavar="PATH", help="config file (default: ./config.toml or $UFLASH_CONFIG)")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging on the console")
-    p.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only on the console")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    w = sub.add_parser("watch", help="watch the inbox and process what arrives (runs until stopped)")
-    w.add_argument("--intake-only", action="store_true", help="record files but do not run the GPU worker")
-
-    r = sub.add_parser("run", help="process these files (or the inbox) now, and exit when they are done")
-    r.add_argument("paths", nargs="*", metavar="PATH",
-                   help="files or folders: only their documents are decoded (default: everything in the inbox and "
-                        "every document already queued in the ledger)")
-    r.add_argument("--mode", choices=MODES,
-                   help="official: transformers generate(); plain: our engine, one token a step; lossless: "
-                        "speculative, token-identical to official; fast: speculative with relaxed acceptance "
-                        "(engine.fast_threshold), not token-exact (default: engine.mode in the config)")
-    r.add_argument("--out", metavar="DIR", help="write outputs here instead of folders.outbox")
-
-    rp = sub.add_parser("report", help="per-page grades, reasons, tau and tokens/s of a run; writes the HTML report")
-    rp.add_argument("--run", type=int, metavar="ID",
-                    help="the run: one per `uflash run`, `uflash watch` process or `uflash rerun` (default: the "
-                         "latest run with pages)")
-    rp.add_argument("--grade", choices=["good", "fair", "poor"], help="only pages of this grade")
-    rp.add_argument("--json", action="store_true", help="print one JSON object")
-    rp.add_argument("--no-html", action="store_true", help="do not write <outbox>/reports/run-<ID>.html")
-
-    rr = sub.add_parser("rerun", help="decode pages again into a new run (history kept) and rewrite the outputs")
-    rr.add_argument("--mode", choices=MODES, default="lossless", help="decode mode of the re-run (default lossless)")
-    rr.add_argument("--grade", choices=["good", "fair", "poor"], help="pages whose latest grade is this")
-    rr.add_argument("--doc", type=int, metavar="ID", help="pages of this document")
-    rr.add_argument("--pages", metavar="A-B", help="pages in this range (e.g. 3-7)")
-
-    d = sub.add_parser("diff", help="per-page normalized edit distance between the texts of two runs")
-    d.add_argument("run_a", type=int, metavar="RUN_A")
-    d.add_argument("run_b", type=int, metavar="RUN_B")
-    d.add_argument("--json", action="store_true", help="print one JSON object")
-
-    t = sub.add_parser("windows-task", help="write the Windows Task Scheduler XML that starts `uflash watch` at boot "
-                                            "(import: schtasks /Create /TN uflash /XML FILE)")
-    t.add_argument("--out", metavar="FILE", default="uflash-task.xml", help="where to write it")
-    t.add_argument("--user", help="run as this account (default: SYSTEM; a named one needs its password at import)")
-
-    s = sub.add_parser("status", help="documents and chunks by state, failures and their reasons")
-    s.add_argument("--json", action="store_true", help="print one JSON object")
-    s.add_argument("--limit", type=int, default=20, help="how many failures to list")
-
-    c = sub.add_parser("check", help="check the set-up of this machine: the ledger (reachable, schema version), "
-                                     "the folders and the model; changes nothing")
-    c.add_argument("--json", action="store_true", help="print one JSON object")
-    return p
 
 
 def _report(settings: Settings, db, log: bool = False) -> Callable[[int], None]:  # noqa: ANN001
@@ -266,10 +211,12 @@ COMMANDS = {"watch": cmd_watch, "run": cmd_run, "status": cmd_status, "report": 
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     setup_logging(None, args.verbose, args.quiet)
     try:
         settings = load_settings(args.config)
+        if getattr(args, "device", None):
+            settings = settings.on_device(args.device)
         if args.command not in ("status", "report", "diff", "windows-task", "check"):
             settings.ensure_folders("logs")
             setup_logging(settings.logs, args.verbose, args.quiet)

@@ -42,7 +42,7 @@ class DatabaseSettings(_Section):
 
 class ModelSettings(_Section):
     path: str = "models/demo"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")  # cuda:N: one worker per GPU
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
 
@@ -54,6 +54,15 @@ class EngineSettings(_Section):
     context_margin: float = Field(default=0.1, ge=0.0, lt=1.0)
     default_tokens_per_page: int = Field(default=1_200, ge=1)
     max_tokens_per_page: int | None = Field(default=None, ge=1)  # cap on output; None: up to the context
+    max_batch: int | Literal["auto"] = "auto"  # chunks decoding together; auto: as many as free GPU memory holds (1 on CPU)
+    kernels: Literal["auto", "torch", "invariant"] = "auto"  # auto: batch-invariant in bf16/fp16 on CUDA
+
+    @field_validator("max_batch")
+    @classmethod
+    def _positive_batch(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("max_batch must be a positive number or \"auto\"")
+        return v
 
 
 @dataclass(frozen=True)
@@ -170,6 +179,14 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # Environment beats the file (the file arrives as init kwargs).
         return env_settings, init_settings
+
+    def on_device(self, device: str) -> Settings:
+        """These settings with ``model.device`` replaced (``--device``), checked as the config file's value is."""
+        try:
+            model = ModelSettings(**{**self.model.model_dump(), "device": device})
+        except ValidationError as e:
+            raise ConfigError(f"--device {device!r}: use cpu, cuda or cuda:N ({e.errors()[0]['msg']})") from None
+        return self.model_copy(update={"model": model})
 
     # -- derived values ---------------------------------------------------------------------
     def resolve(self, p: Path | str) -> Path:

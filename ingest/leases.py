@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
+from datetime import datetime
 
 from loguru import logger
 
-from db.queue import Claim, renew_leases
+from db.queue import Claim, leases_of_others, renew_leases
 from db.session import Database
 from ingest.config import WorkerSettings
 
@@ -80,3 +81,17 @@ class LeaseKeeper:
             self._stop.set()
             self._thread.join()
             self._thread = None
+
+
+def say_whose_leases(db: Database, owner: str, reserved_for: int | None, document_ids: Collection[int] | None,
+                     said: frozenset[str]) -> frozenset[str]:
+    """Say once per wait which other leases hold chunks this worker could take (``said``: the owners named at the
+    last look; returns those of this look): a worker that crashed keeps its lease until it expires (up to
+    ``lease_seconds``), and without this a restarted ``uflash run`` sits silent."""
+    rows = leases_of_others(db, owner, reserved_for, document_ids)
+    for other, n, until in rows:
+        if other not in said:
+            logger.info("waiting for {} chunk(s) leased by {} until {} (in {:.0f} s; a worker that died loses its "
+                        "lease then)", n, other, datetime.fromtimestamp(until).strftime("%H:%M:%S"),
+                        until - datetime.now().timestamp())
+    return frozenset(other for other, _, _ in rows)

@@ -25,7 +25,7 @@ from engine.chunk_decode import ChunkOutput, PageOutput
 from ingest.quality import Thresholds, page_quality
 from ingest.grading import checks, explain, page_figures, plain_text, repeats
 from ingest.ink import ink_text
-from ingest.outputs import page_markdown
+from ingest.page_text import page_markdown
 from ingest.word_confidence import archival_stats
 
 

@@ -109,7 +109,7 @@ def test_demo_model_reads_sentences_the_test_chooses(demo):
     Decoded the way uflash decodes (lossless engine, token-identical to official)."""
     from engine.batch_engine import BatchEngine
     from engine.official import decode_text
-    from ingest.outputs import page_markdown
+    from ingest.page_text import page_markdown
     from scripts.train.demo_model import levenshtein
     from scripts.eval.demo import OPEN_SENTENCES
 

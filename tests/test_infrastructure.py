@@ -255,9 +255,9 @@ def test_a_ledger_error_in_the_middle_of_a_chunk_fails_nothing(tmp_path, tiny_mo
 def test_a_full_disk_for_the_outputs_fails_no_document(tmp_path, tiny_model_dir, monkeypatch):
     """The outbox's disk is full when a document is finished: the document is not failed; it is finished once
     there is room (here: after three tries)."""
-    import ingest.worker
+    import ingest.finish
 
-    real, tries = ingest.worker.write_document_outputs, []
+    real, tries = ingest.finish.write_document_outputs, []
 
     def full_disk(folder, *args, **kw):
         tries.append(folder)
@@ -265,7 +265,7 @@ def test_a_full_disk_for_the_outputs_fails_no_document(tmp_path, tiny_model_dir,
             raise OSError(errno.ENOSPC, "No space left on device", str(folder / "document.pdf"))
         return real(folder, *args, **kw)
 
-    monkeypatch.setattr(ingest.worker, "write_document_outputs", full_disk)
+    monkeypatch.setattr(ingest.finish, "write_document_outputs", full_disk)
     s, db, docs, worker = _worker_setup(tmp_path, tiny_model_dir, lambda n: None)
     from tests.conftest import serve_until
 

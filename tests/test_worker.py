@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pymupdf
@@ -301,29 +301,32 @@ def test_worker_killed_mid_chunk_redoes_it_once(tmp_path, tiny_model_dir, ledger
         select(Chunk).where(Chunk.status == ChunkStatus.RUNNING)).all())
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
-    with db.session() as ss:
+    with db.session() as ss:  # the chunk decoding and the one claimed ahead of it (rendered while the other decodes)
         running = ss.scalars(select(Chunk).where(Chunk.status == ChunkStatus.RUNNING)).all()
-        assert len(running) == 1 and running[0].lease_expires_at > time.time() + 200, "the killed worker held a lease"
+        assert 1 <= len(running) <= 2 and all(c.lease_expires_at > time.time() + 200 for c in running), \
+            "the killed worker held its leases"
     st = uflash("--config", str(cfg), "status").stdout
     assert "its worker is gone: the next worker takes it over at once" in st and "its process is gone" in st, st
-    started = time.monotonic()
     r = uflash("--config", str(cfg), "run", timeout=600)  # restart: takes the inbox file again
     assert r.returncode == 0, r.stdout + r.stderr
-    assert time.monotonic() - started < 120, "the restart waited for the dead worker's lease"
     assert "leased by uflash processes that are gone: taken over now" in r.stderr
     with db.session() as ss:
         doc = ss.scalar(select(Document))
         chunks = ss.scalars(select(Chunk)).all()
     assert doc.status == "done"
     assert [n for _, n in pages_in_db(db, doc.id)] == [1] * 4
-    assert max(c.attempts for c in chunks) == 2  # the killed chunk was redone once
+    assert max(c.attempts for c in chunks) == 2  # the killed chunks were redone once
     # The restart closed the killed watcher's run as crashed, and did not reuse it: its own run has the redone chunk.
     killed, restart = runs_in_db(db)
     assert (killed.end_reason, restart.end_reason) == ("crashed", "closed") and restart.finished_at is not None
     assert killed.finished_at is not None  # the time of its last stored page (or its start)
-    redone = next(c for c in chunks if c.attempts == 2)
-    assert redone.run_id == restart.id
-    assert {(doc.id, i) for i in redone.pages} <= set(pages_of_run(db, restart.id))
+    redone = [c for c in chunks if c.attempts == 2]
+    assert {c.id for c in redone} == {c.id for c in running} and all(c.run_id == restart.id for c in redone)
+    assert {(doc.id, i) for c in redone for i in c.pages} <= set(pages_of_run(db, restart.id))
+    with db.session() as ss:  # decoded again while the dead worker's leases still had minutes left
+        stored = max(p.created_at for p in ss.scalars(select(Page).where(Page.run_id == restart.id)))
+    stored = stored if stored.tzinfo else stored.replace(tzinfo=timezone.utc)
+    assert stored.timestamp() < min(c.lease_expires_at for c in running), "the restart waited for the dead leases"
     rep = json.loads(uflash("--config", str(cfg), "report", "--json", "--no-html").stdout)
     assert rep["run"]["id"] == restart.id
     assert sorted(p["index"] for d in rep["documents"] for p in d["pages"]) == \

@@ -122,14 +122,10 @@ def decoder_factory(loaded, args: argparse.Namespace):
 
 def texts_and_sums(db, run_id: int) -> tuple[dict, dict]:
     """The run's page texts, and its chunks' decode seconds, output tokens, forwards and relaxed tokens summed."""
-    from sqlalchemy import select
+    from db.runs import run_chunk_stats, run_pages
 
-    from db.models import Chunk, Document, Page
-
-    with db.session() as s:
-        names = dict(s.execute(select(Document.id, Document.original_name)).all())
-        texts = {(names[p.document_id], p.page_index): p.text for p in s.scalars(select(Page).where(Page.run_id == run_id))}
-        stats = [c.stats or {} for c in s.scalars(select(Chunk).where(Chunk.run_id == run_id))]
+    texts = {(d.original_name, p.page_index): p.text for p, d in run_pages(db, run_id)}
+    stats = run_chunk_stats(db, run_id)
     sums = {"decode_s": sum(st.get("seconds", 0.0) for st in stats),
             **{key: sum(st.get(stat, 0) for st in stats) for key, stat in
                (("tokens", "output_tokens"), ("forwards", "forwards"), ("relaxed_tokens", "relaxed_tokens"))}}
@@ -140,9 +136,7 @@ def first_pass(folder: Path, args, mode: str, pdfs: list[Path], make_decoder, fa
     """A first run of ``pdfs`` in ``mode`` in a fresh ledger: (settings, db, run id, texts, seconds)."""
     import shutil
 
-    from sqlalchemy import func, select
-
-    from db.models import Document
+    from db.documents import unfinished_documents
     from db.session import Database
     from ingest.intake import intake_file
     from ingest.worker import Worker
@@ -155,8 +149,7 @@ def first_pass(folder: Path, args, mode: str, pdfs: list[Path], make_decoder, fa
     worker = Worker(s, db, lambda: decoder)
 
     def done() -> bool:
-        with db.session() as ss:
-            return ss.scalar(select(func.count()).select_from(Document).where(Document.status.not_in(["done", "failed"]))) == 0
+        return not unfinished_documents(db)
 
     t0 = time.perf_counter()
     worker.serve(threading.Event(), until=done)
