@@ -9,7 +9,7 @@ from typing import Any
 
 from sqlalchemy import ColumnElement, func, select, update
 
-from db.models import Document, DocStatus, Page
+from db.models import DocStatus, Document, Page
 from db.session import Database, among
 
 

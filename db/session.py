@@ -17,8 +17,19 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import ColumnElement, Connection, Engine, bindparam, create_engine, event, func, make_url, select, \
-    text, update
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    Engine,
+    bindparam,
+    create_engine,
+    event,
+    func,
+    make_url,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.orm import Session, sessionmaker
 
 from db.models import Base, Run, RunEnd, SchemaVersion

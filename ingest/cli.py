@@ -18,10 +18,18 @@ from pathlib import Path
 from loguru import logger
 
 from db.session import masked_url
-from ingest.config import Settings, load_settings
-from ingest.errors import (ConfigError, ExitCode, InfrastructureError, InputRejected, ModelUnavailable, UflashError,
-                           UsageError, infrastructure_problem)
 from ingest.cli_parser import build_parser
+from ingest.config import Settings, load_settings
+from ingest.errors import (
+    ConfigError,
+    ExitCode,
+    InfrastructureError,
+    InputRejected,
+    ModelUnavailable,
+    UflashError,
+    UsageError,
+    infrastructure_problem,
+)
 from ingest.ledger import missing_ledger, open_existing_ledger, open_ledger, open_ledger_waiting
 from ingest.logs import setup_logging
 

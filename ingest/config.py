@@ -54,7 +54,7 @@ class EngineSettings(_Section):
     context_margin: float = Field(default=0.1, ge=0.0, lt=1.0)
     default_tokens_per_page: int = Field(default=1_200, ge=1)
     max_tokens_per_page: int | None = Field(default=None, ge=1)  # cap on output; None: up to the context
-    max_batch: int | Literal["auto"] = "auto"  # chunks decoding together; auto: as many as free GPU memory holds (1 on CPU)
+    max_batch: int | Literal["auto"] = "auto"  # chunks decoding together; auto: as many as free GPU memory holds
     kernels: Literal["auto", "torch", "invariant"] = "auto"  # auto: batch-invariant in bf16/fp16 on CUDA
 
     @field_validator("max_batch")

@@ -24,8 +24,8 @@ from db.session import Database
 from ingest.config import Settings
 from ingest.errors import infrastructure_problem
 from ingest.files import file_away
-from ingest.outputs import holds_another_document, output_folder, write_document_outputs
 from ingest.grading import grade_document, plain_text
+from ingest.outputs import holds_another_document, output_folder, write_document_outputs
 
 
 @dataclass

@@ -17,13 +17,25 @@ from pathlib import Path
 
 from loguru import logger
 
-from db.documents import (adopt_path, create_document, document_by_sha, document_of_file, get_document, original_of,
-                          retry_failed)
+from db.documents import (
+    adopt_path,
+    create_document,
+    document_by_sha,
+    document_of_file,
+    get_document,
+    original_of,
+    retry_failed,
+)
 from db.files import record_duplicate, record_rejected
 from db.models import DocStatus, Document
 from db.session import Database
-from ingest.chunk_plan import (UNLIMITED_OCR_TOKENS_PER_PAGE, ChunkBudget, expected_tokens, model_tokens_per_page,
-                               plan_document_chunks)
+from ingest.chunk_plan import (
+    UNLIMITED_OCR_TOKENS_PER_PAGE,
+    ChunkBudget,
+    expected_tokens,
+    model_tokens_per_page,
+    plan_document_chunks,
+)
 from ingest.config import Settings
 from ingest.errors import InputIncomplete, InputRejected
 from ingest.files import file_away, is_inside, move_file, sha256_file, unique_destination, write_atomic

@@ -75,8 +75,8 @@ def decode_with_uflash(source: Path, work: Path, config: str | None = None) -> P
     ``work``; return the ``document.json`` written."""
     from db.session import Database
     from ingest.batch import run_batch
-    from ingest.worker import make_worker
     from ingest.config import load_settings
+    from ingest.worker import make_worker
 
     settings = load_settings(config)
     for name in ("inbox", "outbox", "archive", "failed", "logs"):

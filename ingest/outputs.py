@@ -14,6 +14,7 @@ from typing import Any
 from ingest.files import write_atomic
 from ingest.page_text import page_markdown
 
+
 def holds_another_document(folder: Path, sha256: str) -> bool:
     """``folder`` has a document.json of another document than ``sha256`` (or one that cannot be read)."""
     meta = folder / "document.json"

@@ -22,10 +22,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine.chunk_decode import ChunkOutput, PageOutput
-from ingest.quality import Thresholds, page_quality
 from ingest.grading import checks, explain, page_figures, plain_text, repeats
 from ingest.ink import ink_text
 from ingest.page_text import page_markdown
+from ingest.quality import Thresholds, page_quality
 from ingest.word_confidence import archival_stats
 
 
@@ -83,7 +83,8 @@ def _reading(po: PageOutput, st: dict[str, Any], t: Thresholds) -> dict[str, Any
 
 
 def repair_chunk(out: ChunkOutput, stats: list[dict[str, Any]], images: Sequence, text_layers: Sequence[str | None],
-                 decode_alone: Callable[[int], ChunkOutput], tokenizer: Any, t: Thresholds, first: int = 1) -> list[int]:
+                 decode_alone: Callable[[int], ChunkOutput], tokenizer: Any, t: Thresholds,
+                 first: int = 1) -> list[int]:
     """Decode the caught pages of a multi-page chunk again alone and keep the better reading of each (the module's
     rule); ``out.pages`` and ``stats`` are updated in place (``stats[i]["repair"]`` records both readings).
     ``decode_alone(i)`` decodes page ``i`` (0-based in the chunk) alone. Returns the indexes of the pages repaired."""
@@ -112,7 +113,8 @@ def repair_chunk(out: ChunkOutput, stats: list[dict[str, Any]], images: Sequence
             alone_st["quality"]["repeats"] = {**rep, "confirmed": True}
             a["checks"] = checks(alone_st["quality"], t)
         keep_alone = (len(a["checks"]), -(a["confidence"] or -1e9)) <= (len(c["checks"]), -(c["confidence"] or -1e9))
-        record = {"checks": c["checks"], "why": [explain(code, chunk_st["quality"], short=True) for code in c["checks"]],
+        why = [explain(code, chunk_st["quality"], short=True) for code in c["checks"]]
+        record = {"checks": c["checks"], "why": why,
                   "kept": "alone" if keep_alone else "chunk", "chunk": c, "alone": a,
                   "seconds": round(time.perf_counter() - t0, 3)}
         if keep_alone:

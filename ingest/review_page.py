@@ -17,15 +17,14 @@ button or a check box reachable with Tab.
 
 from __future__ import annotations
 
-import html
-import re
-from collections.abc import Sequence
-from typing import Any
-
 import base64
+import html
 import io
+import re
 import socket
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from loguru import logger
 
@@ -33,7 +32,6 @@ from db.models import RunEnd
 from ingest.grading import explain
 from ingest.orientation import turn
 from ingest.owners import is_gone
-from ingest.review_assets import REVIEW_PX, THUMB_PX
 from ingest.review_assets import SCRIPT as _SCRIPT
 from ingest.review_assets import STYLE as _STYLE
 from ingest.word_layout import page_segments

@@ -40,8 +40,15 @@ from ingest.health import Trouble
 from ingest.inflight import batched, poll_all
 from ingest.leases import LeaseKeeper, say_whose_leases
 from ingest.lifecycle import RunHandle, take_over_from_the_gone
-from ingest.outcome import (checked_stats, chunk_note, decode_failed, is_out_of_memory, page_rows, requeued_ranges,
-                            unreadable)
+from ingest.outcome import (
+    checked_stats,
+    chunk_note,
+    decode_failed,
+    is_out_of_memory,
+    page_rows,
+    requeued_ranges,
+    unreadable,
+)
 from ingest.owners import this_process
 from ingest.prefetch import NotPrepared, Prefetcher, Prepared
 from ingest.prepare import PreparedChunk, Turns, Unreadable
@@ -142,10 +149,13 @@ class Worker:
             return
         self.idle = not found and not prefetch.pending and not self._ready
         if self.idle:
-            self._waiting_on = say_whose_leases(self.db, self.owner, self.run.reserved(), self.document_ids,
-                                                self._waiting_on)
+            self._log_leased()
             self.finisher.finish_ready()
             stop.wait(self.settings.worker.poll_seconds)
+
+    def _log_leased(self) -> None:
+        self._waiting_on = say_whose_leases(self.db, self.owner, self.run.reserved(), self.document_ids,
+                                            self._waiting_on)
 
     def _claim_ahead(self, prefetch: Prefetcher) -> int:
         """Claim a chunk for each row the decoder has free (and ``AHEAD`` more); hand each to the prefetch thread."""
@@ -204,14 +214,16 @@ class Worker:
                 raise out
             if is_out_of_memory(out):
                 decoder.free_memory()
+            self.leases.drop(c)  # the heartbeat stops before the write that ends the lease
             decode_failed(self.settings, self.db, c, chunk.label, out, decoder.device, self.run.reserved())
         elif self.leases.lost(c):
             logger.warning("{}: lease lost while decoding; dropping the result", chunk.label)
         else:
             cap, limit = self.settings.engine.max_tokens_per_page, self.settings.engine.context_limit
-            stats = checked_stats(self.settings, chunk, out, getattr(getattr(decoder, "loaded", None), "tokenizer",
-                                                                     None),
+            tokenizer = getattr(getattr(decoder, "loaded", None), "tokenizer", None)
+            stats = checked_stats(self.settings, chunk, out, tokenizer,
                                   lambda images, refs: decoder.decode(images, limit, cap, reference_texts=refs))
+            self.leases.drop(c)  # (a lease taken over meanwhile: the store finds it gone and stores nothing)
             self._store(chunk, out, stats)
         self._unsettled.remove(c)
         self.leases.drop(c)
@@ -222,19 +234,12 @@ class Worker:
         rows = page_rows(chunk, out, stats, decoder.mode)
         ranges = requeued_ranges(c, out)
         note = chunk_note(out, ranges)
-        while True:
-            try:
-                ready = store_chunk(self.db, c, self.run.open(), rows, new_ranges=ranges, note=note,
-                                    stats=out.chunk_stats, output_ids=out.output_ids, reserved_for=self.run.reserved())
-                break
-            except LeaseLost:  # taken over by another worker (or stored by this one before the ledger failed)
-                return logger.warning("{}: lease lost before storing; dropping the result", chunk.label)
-            except Exception as e:
-                problem = infrastructure_problem(e)
-                if problem is None or self._stop is None or self._stop.is_set():
-                    raise
-                if self._stop.wait(self.trouble.failed(f"cannot store {chunk.label}: {problem}")):
-                    raise
+        try:
+            ready = self.trouble.retrying(f"cannot store {chunk.label}", self._stop, lambda: store_chunk(
+                self.db, c, self.run.open(), rows, new_ranges=ranges, note=note, stats=out.chunk_stats,
+                output_ids=out.output_ids, reserved_for=self.run.reserved()))
+        except LeaseLost:  # taken over by another worker (or stored by this one before the ledger failed)
+            return logger.warning("{}: lease lost before storing; dropping the result", chunk.label)
         self.trouble.ok()
         s = out.chunk_stats
         logger.info("{}: {} pages, {} tokens in {:.1f}s ({:.1f} tok/s), finish {}{}", chunk.label, len(rows),

@@ -176,8 +176,8 @@ def graded_pages(docs: list[dict], alone: dict[str, dict], t, tokenizer, repair:
     of caught pages with their single-page readings (``alone``; a page without one is left as it was), the
     document's grade (ingest.grading.grade_document); with its CER to the truth."""
     from engine.chunk_decode import PageOutput
-    from ingest.quality import edit_distance
     from ingest.grading import grade_document, plain_text
+    from ingest.quality import edit_distance
     from ingest.repair import chunk_page_stats, repair_chunk
     from scripts.synth import strip_markup
 
@@ -228,8 +228,8 @@ def repair_pass(args) -> None:
     from engine.chunk_decode import load_decoder
     from engine.model import load_model
     from ingest.grading import checks
-    from ingest.repair import chunk_page_stats
     from ingest.quality import Thresholds
+    from ingest.repair import chunk_page_stats
 
     t = Thresholds()
     out_path = Path(args.out)

@@ -6,9 +6,8 @@ usage: python -m tests.claimer DB_URL OWNER OUT_FILE {drain|hold} LEASE_SECONDS 
 """
 
 import sys
-import time
-
 import threading
+import time
 
 from db.chunks import complete_chunk
 from db.queue import claim, heartbeat

@@ -110,8 +110,8 @@ def test_demo_model_reads_sentences_the_test_chooses(demo):
     from engine.batch_engine import BatchEngine
     from engine.official import decode_text
     from ingest.page_text import page_markdown
-    from scripts.train.demo_model import levenshtein
     from scripts.eval.demo import OPEN_SENTENCES
+    from scripts.train.demo_model import levenshtein
 
     engine = BatchEngine(demo, "lossless", max_batch=len(OPEN_SENTENCES))
     results = engine.run([engine.prepare([sentence_page(sentence)], 200) for sentence in OPEN_SENTENCES])

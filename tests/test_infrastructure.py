@@ -227,9 +227,8 @@ def test_a_chunk_decoded_while_the_ledger_is_locked_is_stored_once_when_it_is_fr
         assert all(ss.get(Document, d).status == "done" for d in docs)
         assert [c.attempts for c in ss.scalars(select(Chunk))] == [1, 1, 1, 1]
     assert _pages_once(db)
-    (rec,) = read_trouble(s.logs)
-    assert rec["loop"] == "worker" and "cannot store d0.pdf pages 2-2" in rec["problem"] and rec["over_at"]
-    assert "database is locked" in rec["problem"]
+    (rec,) = read_trouble(s.logs)  # the store of d0's page 2, or the claim of the next chunk, met the lock first
+    assert rec["loop"] == "worker" and "database is locked" in rec["problem"] and rec["over_at"]
     db.dispose()
 
 

@@ -7,8 +7,8 @@ from PIL import Image
 from sqlalchemy import func, select, update
 
 import ingest.intake
-from db.models import Chunk, ChunkStatus, DocStatus, Document, Duplicate, Page, Rejected, Run
 from db.chunks import store_chunk
+from db.models import Chunk, ChunkStatus, DocStatus, Document, Duplicate, Page, Rejected, Run
 from db.queue import claim, fail
 from db.session import Database
 from ingest.errors import InputRejected

@@ -10,10 +10,9 @@ import os
 import pytest
 from sqlalchemy import func, select, text
 
-from db.models import Chunk, Document, Duplicate, Page, Rejected, Run, SchemaVersion
-from db.queue import claim
-from db.session import SCHEMA_VERSION, Database
 from db.documents import document_of_file as known_document
+from db.models import Chunk, Document, Duplicate, Page, Rejected, Run, SchemaVersion
+from db.session import SCHEMA_VERSION, Database
 from ingest.intake import intake_file
 from ingest.prepare import replaced
 from tests.conftest import make_pdf

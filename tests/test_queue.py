@@ -8,8 +8,8 @@ import time
 import pytest
 from sqlalchemy import func, select
 
-from db.models import Chunk, ChunkStatus, Document
 from db.chunks import complete_chunk
+from db.models import Chunk, ChunkStatus, Document
 from db.queue import claim, end_leases_of_gone_owners, fail, heartbeat, release
 from db.session import Database
 from ingest.owners import is_gone, this_process

@@ -17,10 +17,10 @@ from db.models import Chunk, Document, Page, Run
 from db.session import Database
 from engine.chunk_decode import OfficialDecoder
 from engine.model import load_model
-from ingest.quality import normalized_edit_distance
 from engine.tiny import build_tiny_model
 from ingest.config import load_settings
 from ingest.intake import intake_file
+from ingest.quality import normalized_edit_distance
 from ingest.report import collect_report, render_html
 from ingest.worker import Worker
 from tests.conftest import SQLITE_URL, fresh_pg_database, make_pdf, serve_until, uflash, worker_config

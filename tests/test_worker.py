@@ -25,9 +25,8 @@ from db.session import Database
 from engine.chunk_decode import OfficialDecoder, assemble
 from engine.model import load_model
 from engine.official import DecodeResult
-from ingest.config import load_settings
+from ingest.config import OrientationSettings, load_settings
 from ingest.intake import intake_file
-from ingest.config import OrientationSettings
 from ingest.render import render_pages
 from ingest.worker import Worker
 from tests.conftest import ROOT, make_pdf, serve_until, uflash, wait_until, worker_config, write_config
@@ -540,7 +539,7 @@ def test_worker_says_once_whose_lease_it_waits_for(tmp_path, ledger_url):
         for _ in range(2):
             lease(expires)
             polls = iter(range(4))
-            worker.serve(threading.Event(), until=lambda: next(polls, None) is None)  # 4 idle polls
+            worker.serve(threading.Event(), until=lambda polls=polls: next(polls, None) is None)  # 4 idle polls
             lease(time.time() - 1)  # the lease ends: the next wait is a new one
             worker._log_leased()
     finally:
@@ -667,7 +666,7 @@ def test_a_long_running_watch_closes_a_run_and_writes_its_report_each_time_the_q
             assert proc.poll() is None, "".join(proc.lines)
             run = runs_in_db(db)[-1]
             assert run.finished_at is not None, "".join(proc.lines)
-            assert wait_until(lambda: (s.outbox / "reports" / f"run-{run.id}.html").exists(), 60)
+            assert wait_until(lambda run=run: (s.outbox / "reports" / f"run-{run.id}.html").exists(), 60)
             html = (s.outbox / "reports" / f"run-{run.id}.html").read_text(encoding="utf-8")
             assert f"{name}.pdf" in html and ("evening.pdf" not in html or name == "evening")
         proc.send_signal(signal.SIGTERM)

@@ -34,7 +34,6 @@ import threading
 import time
 from pathlib import Path
 
-
 from scripts.synth import HELD_OUT_LIMIT, make_document
 
 DEFAULT_SEED = 770_001  # held out: below HELD_OUT_LIMIT, never used for training
@@ -74,8 +73,8 @@ def write_documents(inbox: Path, n_pages: int, pages_per_doc: int, seed: int, sc
 def cer_to_labels(texts: dict, labels: dict) -> float:
     """Character error rate of a pass's pages against the generator's labels (markup stripped, whitespace
     collapsed): how close each pass is to the truth, not to the other pass."""
-    from scripts.train.demo_model import levenshtein
     from scripts.synth import strip_markup
+    from scripts.train.demo_model import levenshtein
 
     edits = chars = 0
     for (name, i), text in texts.items():

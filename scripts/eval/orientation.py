@@ -19,7 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-
 from engine.chunk_decode import load_decoder
 from ingest.config import OrientationSettings
 from ingest.orientation import (
