@@ -17,7 +17,8 @@ from db.runs import get_run, last_page_at, latest_run_with_pages, run_pages
 from db.session import Database
 from ingest.errors import UsageError
 from ingest.orientation import page_turn
-from ingest.review_page import REVIEW_PX, THUMB_PX, page_images, render_html, repair_note, run_span
+from ingest.review_assets import REVIEW_PX, THUMB_PX
+from ingest.review_page import page_images, render_html, repair_note, run_span
 
 
 def collect_report(db: Database, run_id: int | None = None, grade: str | None = None) -> dict[str, Any]:

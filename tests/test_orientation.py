@@ -164,7 +164,8 @@ def test_the_demo_model_reads_a_turned_scan_as_it_reads_the_upright_one(tmp_path
     from ingest.config import load_settings
     from ingest.intake import intake_file
     from ingest.report import collect_report, format_report
-    from ingest.review_page import THUMB_PX, page_images
+    from ingest.review_assets import THUMB_PX
+    from ingest.review_page import page_images
     from ingest.worker import Worker
     from scripts.synth import make_document
     from scripts.synth import render_pages as synth_pages
