@@ -12,7 +12,7 @@ import tempfile
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -54,15 +54,9 @@ class EngineSettings(_Section):
     context_margin: float = Field(default=0.1, ge=0.0, lt=1.0)
     default_tokens_per_page: int = Field(default=1_200, ge=1)
     max_tokens_per_page: int | None = Field(default=None, ge=1)  # cap on output; None: up to the context
-    max_batch: int | Literal["auto"] = "auto"  # chunks decoding together; auto: as many as free GPU memory holds
+    max_batch: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"  # chunks decoding together; auto: as many as
+    # free GPU memory holds
     kernels: Literal["auto", "torch", "invariant"] = "auto"  # auto: batch-invariant in bf16/fp16 on CUDA
-
-    @field_validator("max_batch")
-    @classmethod
-    def _positive_batch(cls, v: int | str) -> int | str:
-        if isinstance(v, int) and v < 1:
-            raise ValueError("max_batch must be a positive number or \"auto\"")
-        return v
 
 
 @dataclass(frozen=True)
@@ -183,10 +177,9 @@ class Settings(BaseSettings):
     def on_device(self, device: str) -> Settings:
         """These settings with ``model.device`` replaced (``--device``), checked as the config file's value is."""
         try:
-            model = ModelSettings(**{**self.model.model_dump(), "device": device})
+            return self.model_copy(update={"model": ModelSettings(**{**self.model.model_dump(), "device": device})})
         except ValidationError as e:
             raise ConfigError(f"--device {device!r}: use cpu, cuda or cuda:N ({e.errors()[0]['msg']})") from None
-        return self.model_copy(update={"model": model})
 
     # -- derived values ---------------------------------------------------------------------
     def resolve(self, p: Path | str) -> Path:

@@ -117,3 +117,21 @@ def test_two_worker_processes_on_one_sqlite_ledger_store_no_chunk_twice(tmp_path
         assert ss.scalar(select(func.count()).select_from(Chunk).where(Chunk.status != ChunkStatus.DONE)) == 0
     assert len(by_run) == 2, f"one process did all the work: {by_run}"
     db.dispose()
+
+
+def test_batch_and_device_settings(tmp_path):
+    """engine.max_batch is "auto" or a positive number; model.device and --device take cpu, cuda or cuda:N (one
+    worker per GPU), and a device that is none of these is a configuration error (exit 2) naming the flag."""
+    import pytest
+
+    from ingest.errors import ConfigError
+    from tests.conftest import write_config
+
+    s = load_settings(write_config(tmp_path, engine={"max_batch": 8}, model={"device": "cuda:1"}))
+    assert (s.engine.max_batch, s.model.device, s.on_device("cpu").model.device) == (8, "cuda:1", "cpu")
+    assert load_settings(write_config(tmp_path)).engine.max_batch == "auto"
+    for bad in ({"engine": {"max_batch": 0}}, {"engine": {"max_batch": "many"}}, {"model": {"device": "gpu1"}}):
+        with pytest.raises(ConfigError):
+            load_settings(write_config(tmp_path, **bad))
+    r = uflash("--config", str(write_config(tmp_path)), "run", "--device", "gpu")
+    assert r.returncode == 2 and "--device 'gpu'" in r.stderr, r.stderr
