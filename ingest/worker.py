@@ -22,6 +22,7 @@ saying so loudly, until the ledger works again.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,6 +81,7 @@ class Worker:
         self._unsettled: list[Claim] = []  # chunks whose handling the ledger's trouble cut short: given back
         self._stop: threading.Event | None = None
         self._waiting_on: frozenset[str] = frozenset()  # owners of the leases the last idle poll found (logged once)
+        self._next_look = 0.0  # while chunks decode, the queue found empty is looked at again from then on
 
     def decoder(self) -> Any:
         if self._decoder is None:
@@ -162,12 +164,15 @@ class Worker:
         w = self.settings.worker
         rows = self._decoder.free_rows if self._decoder is not None else 1
         room, found = rows + AHEAD - prefetch.pending - len(self._ready), 0
+        if room > 0 and self.inflight and time.monotonic() < self._next_look:
+            return 0  # the queue was empty a moment ago: the engine steps on without asking the ledger every step
         if room > 0:
             take_over_from_the_gone(self.settings, self.db, self.finisher)
         while room > 0:
             c = claim(self.db, self.owner, w.lease_seconds, w.max_attempts, document_ids=self.document_ids,
                       run_id=self.run_id() if self.fresh_run is not None else None)
             if c is None:
+                self._next_look = time.monotonic() + w.poll_seconds
                 break
             self.leases.hold(c)
             prefetch.put(c)
