@@ -3,7 +3,7 @@ reasons in plain words.
 
 The rules and their thresholds (``[quality]`` in config.toml, fields of ``ingest.config.Thresholds``) were chosen on
 a labelled difficulty ladder against the truth and checked on a held-out half (docs/grades.md,
-``scripts/calibrate_grades.py``). A grade never depends on the PDF having a text layer: the agreement with a text
+``python -m scripts.eval.grades``). A grade never depends on the PDF having a text layer: the agreement with a text
 layer is shown beside the grade, not used in it (a born-digital page and its scan, read alike, grade alike).
 
 Figures a page is graded on (``stats.quality``; those of ``ingest.quality.page_quality`` plus these):

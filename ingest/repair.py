@@ -69,10 +69,13 @@ def _returned(out: ChunkOutput) -> int:
 
 
 def chunk_page_stats(out: ChunkOutput, images: Sequence, text_layers: Sequence[str | None], tokenizer: Any,
-                     t: Thresholds, first: int = 1) -> list[dict[str, Any]]:
+                     t: Thresholds, first: int = 1,
+                     inks: Sequence[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Stats of every page the chunk kept (``images``/``text_layers``: the chunk's pages, in order; ``first``: the
-    page number of its first page in the document)."""
-    stats = [page_stats(po, images[i], text_layers[i], tokenizer, t) for i, po in enumerate(out.pages)]
+    page number of its first page in the document; ``inks``: the pages' print, ``ingest.ink.InkText.dict()``, when
+    it was measured already: then only the images' sizes are read)."""
+    stats = [page_stats(po, images[i], text_layers[i], tokenizer, t, None if inks is None else inks[i])
+             for i, po in enumerate(out.pages)]
     _chunk_checks(stats, [po.text for po in out.pages], out, t, first)
     return stats
 

@@ -1,4 +1,4 @@
-"""A difficulty ladder of labelled documents: what the grades are calibrated on (scripts/calibrate_grades.py).
+"""A difficulty ladder of labelled documents: what the grades are calibrated on (python -m scripts.eval.grades).
 
     pdf_bytes, labels, rung = ladder_document(seed)
 

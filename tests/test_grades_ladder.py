@@ -1,0 +1,136 @@
+"""The calibration ladder's decode job (scripts/eval/ladder_decode.py) and its table (python -m scripts.eval.grades),
+with a scripted decoder behind the engine's submit / poll interface: documents are rendered by a real process pool,
+the print measured on each page is stored, a page that copies its neighbour in a chunk is read again alone, a
+restart goes on where the last run stopped (also between a document and its pages read alone), the time budget
+stops the job keeping what is done, and the table runs from the files alone."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from types import SimpleNamespace
+
+import pytest
+
+from engine.chunk_decode import assemble
+from engine.official import DecodeResult
+from scripts.eval import grades
+from scripts.eval.ladder_decode import decode_ladder, read_lines
+from scripts.synth.ladder import ladder_pages, ladder_rung
+from tests.conftest import ROOT
+
+DEMO = ROOT / "models" / "demo"
+pytestmark = pytest.mark.skipif(not (DEMO / "tokenizer.json").is_file(), reason="models/demo is not in this checkout")
+SEED0 = 600_000  # 600000: 2 sparse pages, 600001: 2 dense scanned pages, 600002: 4 pages
+
+
+@lru_cache(maxsize=None)
+def labels(seed: int) -> list[str]:
+    return ladder_pages(ladder_rung(seed))[1]
+
+
+class LadderReader:
+    """Reads every ladder page as its label, except that in a chunk of several pages the last page is written as a
+    copy of the page before it (with more confidence than the rest); a page read alone is read right."""
+
+    mode, model_name, device = "plain", "ladder-reader", "cpu"
+
+    def __init__(self):
+        from transformers import AutoTokenizer
+
+        self.loaded = SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(str(DEMO)), dtype="float32")
+        self.queue, self.keys = [], []
+
+    @property
+    def engine(self):
+        return SimpleNamespace(active=len(self.queue), pending=[])
+
+    @property
+    def free_rows(self) -> int:
+        return 4 - len(self.queue)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.queue)
+
+    def describe(self):
+        return {"scripted": True}
+
+    def abandon(self):
+        dropped, self.queue = self.queue, []
+        return dropped
+
+    def submit(self, key, images, context_limit, max_new_tokens=None):
+        self.queue.append((key, len(images)))
+        self.keys.append(key)
+
+    def poll(self):
+        done, self.queue = self.queue, []
+        return [(key, self._read(key, n)) for key, n in done]
+
+    def _read(self, key, n):
+        if key[0] == "alone":
+            texts = [labels(key[1])[key[2] - 1]]
+        else:
+            texts = labels(key[1])[key[2] - 1 : key[3]]
+            assert len(texts) == n
+            if n > 1:
+                texts[-1] = texts[-2]
+        tok = self.loaded.tokenizer
+        ids, lps, body = [], [], ""
+        for i, text in enumerate(texts):
+            piece = ("<PAGE>" if n > 1 else "") + text
+            piece_ids = tok(piece, add_special_tokens=False)["input_ids"]
+            ids += piece_ids
+            lps += [-0.01 if n > 1 and i == n - 1 else -0.05] * len(piece_ids)
+            body += piece
+        res = DecodeResult(prompt_ids=[0] * 10, output_ids=ids, finish_reason="eos", seconds=0.01, text=body,
+                           prompt_kind="multi" if n > 1 else "single", n_pages=n, logprobs=lps)
+        return assemble(res, n, hit_context=False)
+
+
+def test_the_ladder_job_decodes_repairs_resumes_and_tables(tmp_path):
+    folder = tmp_path / "ladder"
+    reader = LadderReader()
+    rec = decode_ladder(folder, str(DEMO), 3, SEED0, procs=1, decoder=reader)
+    assert rec["this_run"]["documents"] == 3 and rec["this_run"]["stopped"] is None
+    assert rec["in_folder"] == {"documents": 3, "pages": 8, "held_out_pages": 2, "read_alone": rec["this_run"]["alone"]}
+    docs = {d["seed"]: d for d in read_lines(folder / "decoded.jsonl")}
+    assert sorted(docs) == [600000, 600001, 600002]
+    for seed, d in docs.items():
+        assert d["labels"] == labels(seed) and d["half"] == ("held_out" if seed % 2 else "labelled")
+        assert len(d["ink"]) == len(d["image_size"]) == d["rung"]["pages"]
+        assert all(ink["ink_chars"] > 20 for ink in d["ink"])  # the print was measured on every page
+        assert [(c["first"], c["last"]) for c in d["chunks"]] == [(1, d["rung"]["pages"])]
+    # the copied last page of every chunk was read alone (others too, where the loose text-vs-ink check caught them)
+    alone = {r["key"] for r in read_lines(folder / "repaired.jsonl")}
+    assert {"600000:2", "600001:2", "600002:4"} <= alone
+    assert len(alone) == rec["this_run"]["alone"]
+
+    # a restart: nothing left to do
+    again = decode_ladder(folder, str(DEMO), 3, SEED0, procs=1, decoder=LadderReader())
+    assert again["this_run"]["documents"] == again["this_run"]["alone"] == 0
+    # stopped between the documents and their pages read alone: a restart reads those pages alone again
+    (folder / "repaired.jsonl").unlink()
+    again = decode_ladder(folder, str(DEMO), 3, SEED0, procs=1, decoder=LadderReader())
+    assert again["this_run"]["documents"] == 0 and again["this_run"]["alone"] == len(alone)
+    assert {r["key"] for r in read_lines(folder / "repaired.jsonl")} == alone
+    # the time budget stops the job and keeps what is done
+    stopped = decode_ladder(folder, str(DEMO), 5, SEED0, procs=1, budget_s=1e-6, decoder=LadderReader())
+    assert stopped["this_run"]["stopped"] and stopped["in_folder"]["documents"] == 3
+    assert len(read_lines(folder / "runs.jsonl")) == 4
+
+    # the table, from the files alone (no pages rendered: the print measured is in the file)
+    rows_path, json_path = tmp_path / "rows.jsonl", tmp_path / "grades.json"
+    assert grades.main(["table", "--dir", str(folder), "--model", str(DEMO), "--rows", str(rows_path),
+                        "--json", str(json_path)]) == 0
+    rows = read_lines(rows_path)
+    assert len(rows) == 8 and all(r["cer"] == 0.0 for r in rows)  # every copy replaced by its reading alone
+    copies = {(r["seed"], r["page"]): r["repair"] for r in rows if (r["seed"], r["page"]) in
+              {(600000, 2), (600001, 2), (600002, 4)}}
+    assert all(rep["kept"] == "alone" and "repeats_page" in rep["checks"] for rep in copies.values()), copies
+    record = json.loads(json_path.read_text(encoding="utf-8"))
+    assert record["command"].startswith("python -m scripts.eval.grades table")
+    assert record["documents"] == 3 and record["decoded_on"]["device"] == "cpu"
+    assert record["halves"]["held_out"]["pages"] == 2 and record["halves"]["labelled"]["pages"] == 6
+    assert record["repairs"]["kept_alone"] >= 3 and record["repairs"]["caught_without_reading_alone"] == 0
