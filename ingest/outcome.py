@@ -62,7 +62,8 @@ def checked_stats(settings: Settings, chunk: PreparedChunk, out: ChunkOutput, to
     t = settings.quality.thresholds()
     images, layers = [p.image for p in chunk.pages], [p.text_layer for p in chunk.pages]
     first = chunk.pages[0].index if chunk.pages else 1
-    stats = chunk_page_stats(out, images, layers, tokenizer, t, first)
+    turned = any(choice.turn for choice in chunk.turned.values())  # the print of a turned page is measured again
+    stats = chunk_page_stats(out, images, layers, tokenizer, t, first, None if turned else chunk.prints or None)
     if settings.quality.repair:
         def alone(i: int) -> ChunkOutput:
             return decode_alone([images[i]], [chunk.references[i]])

@@ -22,6 +22,7 @@ from db.queue import Claim
 from ingest.config import Settings
 from ingest.errors import InfrastructureError, infrastructure_problem
 from ingest.files import sha256_file
+from ingest.ink import ink_text
 from ingest.orientation import InkMeasures, TurnChoice, choose_turn, decoder_probe, measure_ink, turn
 from ingest.render import RenderedPage, render_pages
 
@@ -34,6 +35,7 @@ class PreparedChunk:
     references: list[str]  # per page: its latest earlier text (a re-run), else its PDF text layer
     replay: list[int] | None  # token ids of an earlier decode of exactly these pages
     ink: list[InkMeasures | None] = field(default_factory=list)  # per page, when orientation is on
+    prints: list[dict] = field(default_factory=list)  # per page, the print measured on it (ingest.ink), as rendered
     turned: dict[int, TurnChoice] = field(default_factory=dict)  # page index -> the turn chosen, for probed pages
 
 
@@ -72,7 +74,7 @@ def prepare(settings: Settings, db, c: Claim) -> PreparedChunk | Unreadable:  # 
     earlier = earlier_texts(db, c.document_id, c.first_page, c.last_page, c.chunk_id)
     ink = [measure_ink(p.image, settings.orientation) for p in pages] if settings.orientation.auto else []
     return PreparedChunk(c, label, pages, [earlier.get(p.index) or p.text_layer or "" for p in pages],
-                         replay_ids(db, c), ink)
+                         replay_ids(db, c), ink, [ink_text(p.image).dict() for p in pages])
 
 
 def replaced(db, doc: Document, path: Path) -> str | None:  # noqa: ANN001
