@@ -141,7 +141,7 @@ class Worker:
         while self._ready and (not self.inflight or self.decoder().free_rows > 0):
             self._start(self._ready.pop(0), stop)
         if self.inflight:
-            ended = [(self.inflight.pop(key), out) for key, out in poll_all(self.decoder())]
+            ended = [(self.inflight.pop(key), out) for key, out in poll_all(self.decoder()) if key in self.inflight]
             for i, (chunk, out) in enumerate(ended):
                 try:
                     self._ended(chunk, out)
