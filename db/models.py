@@ -16,9 +16,10 @@ written without NaN or infinity (PostgreSQL's JSON refuses them; ``db.session`` 
 from __future__ import annotations
 
 from datetime import datetime, timezone
+from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, Enum, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import DateTime, TypeDecorator
 
@@ -42,20 +43,27 @@ class Base(DeclarativeBase):
     type_annotation_map = {datetime: DateTime(timezone=True), dict[str, Any]: JSON, list[Any]: JSON}
 
 
-class DocStatus:
+class DocStatus(StrEnum):
     QUEUED = "queued"
     RUNNING = "running"
     DONE = "done"
     FAILED = "failed"
 
 
-class ChunkStatus:
+class ChunkStatus(StrEnum):
     QUEUED = "queued"
     RUNNING = "running"
     DONE = "done"
     FAILED = "failed"
     SPLIT = "split"  # output hit the context limit; the remaining pages went to a new chunk
     CANCELLED = "cancelled"  # reserved for a re-run that ended (stopped or crashed) before decoding it
+
+
+def status_column(enum: type[StrEnum]) -> Enum:
+    """A status column: stored as its value in a VARCHAR(16) (no database enum type, no constraint: the schema is
+    the same as plain strings), read back as the enum member."""
+    return Enum(enum, native_enum=False, create_constraint=False, length=16,
+                values_callable=lambda members: [m.value for m in members])
 
 
 class SchemaVersion(Base):
@@ -74,7 +82,7 @@ class Document(Base):
     mtime_ns: Mapped[int] = mapped_column(BigInteger)  # st_mtime_ns: ~1.8e18, beyond 32 bits
     kind: Mapped[str] = mapped_column(String(16))  # pdf | tiff | png | jpeg
     page_count: Mapped[int] = mapped_column(Integer)
-    status: Mapped[str] = mapped_column(String(16), default=DocStatus.QUEUED, index=True)
+    status: Mapped[DocStatus] = mapped_column(status_column(DocStatus), default=DocStatus.QUEUED, index=True)
     error: Mapped[str | None] = mapped_column(CleanText, default=None)
     archived_path: Mapped[str | None] = mapped_column(Text, default=None)
     output_dir: Mapped[str | None] = mapped_column(Text, default=None)
@@ -116,7 +124,7 @@ class Rejected(Base):
     seen_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
-class RunEnd:
+class RunEnd(StrEnum):
     CLOSED = "closed"  # closed by its own process (done, or stopped by a signal)
     CRASHED = "crashed"  # closed by a later uflash process that found its owner gone
 
@@ -135,7 +143,7 @@ class Run(Base):
     settings: Mapped[dict[str, Any] | None] = mapped_column(default=None)
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
-    end_reason: Mapped[str | None] = mapped_column(String(16), default=None)
+    end_reason: Mapped[RunEnd | None] = mapped_column(status_column(RunEnd), default=None)
 
 
 class Chunk(Base):
@@ -145,7 +153,7 @@ class Chunk(Base):
     document_id: Mapped[int] = mapped_column(ForeignKey("documents.id"), index=True)
     first_page: Mapped[int] = mapped_column(Integer)  # 1-based, inclusive
     last_page: Mapped[int] = mapped_column(Integer)  # 1-based, inclusive
-    status: Mapped[str] = mapped_column(String(16), default=ChunkStatus.QUEUED)
+    status: Mapped[ChunkStatus] = mapped_column(status_column(ChunkStatus), default=ChunkStatus.QUEUED)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     lease_owner: Mapped[str | None] = mapped_column(String(255), default=None)
     lease_expires_at: Mapped[float | None] = mapped_column(Float, default=None)

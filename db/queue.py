@@ -1,4 +1,4 @@
-"""The chunk queue: atomic claims with leases, heartbeats, retries with backoff.
+"""The chunk queue: atomic claims with leases, lease renewals, retries with backoff.
 
 Contract (what every function here keeps true):
 - A chunk is never deleted when claimed. ``status`` moves queued -> running -> done | failed | split, and
@@ -18,19 +18,17 @@ Contract (what every function here keeps true):
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
-from loguru import logger
-from sqlalchemy import ColumnElement, Connection, and_, bindparam, case, func, literal, or_, select, update
+from sqlalchemy import ColumnElement, Connection, and_, case, func, literal, or_, select, true, update
 
-from db.models import Chunk, ChunkStatus, DocStatus, Document
-from db.session import Database
+from db.documents import mark_running, settle
+from db.models import Chunk, ChunkStatus
+from db.session import Database, among
 
 T = Chunk.__table__
-D = Document.__table__
 
 
 @dataclass(frozen=True)
@@ -42,6 +40,15 @@ class Claim:
     attempts: int
     owner: str
     lease_expires_at: float
+
+    @property
+    def pages(self) -> range:
+        return range(self.first_page, self.last_page + 1)
+
+
+def held(c: Claim) -> ColumnElement:
+    """The chunk of ``c``, while ``c``'s owner still holds its lease."""
+    return and_(T.c.id == c.chunk_id, T.c.lease_owner == c.owner, T.c.status == ChunkStatus.RUNNING)
 
 
 def _fail_exhausted(conn: Connection, now: float, max_attempts: int) -> None:
@@ -59,13 +66,7 @@ def _fail_exhausted(conn: Connection, now: float, max_attempts: int) -> None:
         .returning(T.c.document_id)
     ).all()
     for (doc_id,) in rows:
-        refresh_document(conn, doc_id)
-
-
-def among(column: ColumnElement, ids: Collection[int]) -> ColumnElement:
-    """``column IN (ids)`` with the ids written into the SQL rather than bound one parameter each, so that a
-    `uflash run` of a folder of many thousand files stays under SQLite's and PostgreSQL's parameter limits."""
-    return column.in_(bindparam("ids", sorted(ids), expanding=True, literal_execute=True, unique=True))
+        settle(conn, doc_id)
 
 
 def claim(db: Database, owner: str, lease_seconds: float, max_attempts: int, now: float | None = None,
@@ -108,16 +109,31 @@ def claim(db: Database, owner: str, lease_seconds: float, max_attempts: int, now
         row = conn.execute(stmt).first()
         if row is None:
             return None
-        conn.execute(
-            update(D).where(D.c.id == row.document_id, D.c.status == DocStatus.QUEUED).values(status=DocStatus.RUNNING)
-        )
+        mark_running(conn, row.document_id)
     return Claim(row.id, row.document_id, row.first_page, row.last_page, row.attempts, owner, expires)
 
 
-def _held(claim_or_id: Claim | int, owner: str | None = None):
-    cid = claim_or_id.chunk_id if isinstance(claim_or_id, Claim) else claim_or_id
-    own = claim_or_id.owner if isinstance(claim_or_id, Claim) else owner
-    return and_(T.c.id == cid, T.c.lease_owner == own, T.c.status == ChunkStatus.RUNNING)
+def renew_leases(db: Database, claims: Iterable[Claim], lease_seconds: float) -> set[int]:
+    """Extend the leases of ``claims`` in one transaction; returns the ids of the chunks whose lease was renewed
+    (a chunk missing from it was lost: expired and taken by another worker)."""
+    by_owner: dict[str, list[int]] = {}
+    for c in claims:
+        by_owner.setdefault(c.owner, []).append(c.chunk_id)
+    if not by_owner:
+        return set()
+    renewed: set[int] = set()
+    with db.engine.begin() as conn:
+        for owner, ids in by_owner.items():
+            rows = conn.execute(update(T).where(among(T.c.id, ids), T.c.lease_owner == owner,
+                                                T.c.status == ChunkStatus.RUNNING)
+                                .values(lease_expires_at=time.time() + lease_seconds).returning(T.c.id)).all()
+            renewed.update(r.id for r in rows)
+    return renewed
+
+
+def heartbeat(db: Database, c: Claim, lease_seconds: float) -> bool:
+    """Extend one lease; False means it was lost (expired and taken by another worker)."""
+    return c.chunk_id in renew_leases(db, [c], lease_seconds)
 
 
 def end_leases_of_gone_owners(db: Database, is_gone: Callable[[str | None], bool], now: float | None = None) -> int:
@@ -137,34 +153,23 @@ def end_leases_of_gone_owners(db: Database, is_gone: Callable[[str | None], bool
             .values(lease_expires_at=now - 0.001)).rowcount
 
 
-def heartbeat(db: Database, c: Claim, lease_seconds: float) -> bool:
-    """Extend the lease; False means it was lost (expired and taken by another worker)."""
-    with db.engine.begin() as conn:
-        res = conn.execute(update(T).where(_held(c)).values(lease_expires_at=time.time() + lease_seconds))
-        return res.rowcount == 1
-
-
-def complete(conn: Connection, c: Claim, status: str = ChunkStatus.DONE, note: str | None = None,
-             stats: dict | None = None, run_id: int | None = None, output_ids: list[int] | None = None) -> bool:
-    """Mark the chunk finished inside the caller's transaction (so results and completion commit together).
-    Returns False when the lease was lost: the caller must roll back its results."""
-    values = dict(status=status, lease_owner=None, lease_expires_at=None, last_error=None)
-    if note is not None:
-        values["note"] = note
-    if stats is not None:
-        values["stats"] = stats
-    if run_id is not None:
-        values["run_id"] = run_id
-    if output_ids is not None:
-        values["output_ids"] = output_ids
-    res = conn.execute(update(T).where(_held(c)).values(**values))
-    return res.rowcount == 1
+def leases_of_others(db: Database, owner: str, run_id: int | None,
+                     document_ids: Collection[int] | None) -> list[tuple[str, int, float]]:
+    """(owner, chunks, latest expiry) of the live leases other owners hold on chunks that ``owner`` could claim (with
+    the same ``run_id`` and ``document_ids`` as its claims)."""
+    now = time.time()
+    mine = among(T.c.document_id, document_ids) if document_ids is not None else true()
+    with db.session() as s:
+        return [tuple(r) for r in s.execute(select(T.c.lease_owner, func.count(), func.max(T.c.lease_expires_at)).where(
+            T.c.status == ChunkStatus.RUNNING, T.c.lease_expires_at >= now, T.c.lease_owner != owner,
+            T.c.run_id.is_(None) if run_id is None else T.c.run_id == run_id, mine,
+        ).group_by(T.c.lease_owner)).all()]
 
 
 def fail(db: Database, c: Claim, error: str, max_attempts: int, backoff_seconds: float,
-         permanent: bool = False) -> str:
+         permanent: bool = False) -> ChunkStatus | None:
     """Record a failure: retry later with backoff, or end failed after max attempts (or when permanent).
-    Returns the chunk's new status ('' when the lease was already lost)."""
+    Returns the chunk's new status (None when the lease was already lost)."""
     now = time.time()
     final = permanent or c.attempts >= max_attempts
     values = dict(lease_owner=None, lease_expires_at=None, last_error=error[:4000])
@@ -174,10 +179,10 @@ def fail(db: Database, c: Claim, error: str, max_attempts: int, backoff_seconds:
         values["status"] = ChunkStatus.QUEUED
         values["next_attempt_at"] = now + backoff_seconds * (2 ** (c.attempts - 1))
     with db.engine.begin() as conn:
-        res = conn.execute(update(T).where(_held(c)).values(**values))
+        res = conn.execute(update(T).where(held(c)).values(**values))
         if res.rowcount != 1:
-            return ""
-        refresh_document(conn, c.document_id)
+            return None
+        settle(conn, c.document_id)
     return values["status"]
 
 
@@ -188,66 +193,5 @@ def release(db: Database, c: Claim, reason: str | None = None) -> bool:
     if reason is not None:
         values["last_error"] = reason[:4000]
     with db.engine.begin() as conn:
-        res = conn.execute(update(T).where(_held(c)).values(**values))
+        res = conn.execute(update(T).where(held(c)).values(**values))
         return res.rowcount == 1
-
-
-def refresh_document(conn: Connection, doc_id: int) -> str:
-    """Derive a document's status from its chunks. Returns 'ready' when every chunk is done or split
-    (outputs may be written), otherwise the status set. A document with a failed chunk and nothing
-    pending is failed, with the chunks' reasons."""
-    rows = conn.execute(
-        select(T.c.status, T.c.first_page, T.c.last_page, T.c.last_error).where(T.c.document_id == doc_id)
-    ).all()
-    pending = [r for r in rows if r.status in (ChunkStatus.QUEUED, ChunkStatus.RUNNING)]
-    failed = [r for r in rows if r.status == ChunkStatus.FAILED]
-    if pending:
-        return DocStatus.RUNNING
-    if failed:
-        reason = "; ".join(f"pages {r.first_page}-{r.last_page}: {r.last_error}" for r in failed)
-        conn.execute(update(D).where(D.c.id == doc_id).values(status=DocStatus.FAILED, error=reason[:4000]))
-        return DocStatus.FAILED
-    return "ready"
-
-
-def requeue_failed(conn: Connection, doc_id: int) -> int:
-    """Give a failed document another try, inside the caller's transaction: its failed chunks go back to the
-    queue with their attempts reset, and the document is queued again. Done chunks and their pages stay as
-    they are. A failed chunk that was reserved for a re-run is freed for any worker (that run has ended, and
-    nothing else would ever claim it). Returns how many chunks were re-queued."""
-    res = conn.execute(
-        update(T)
-        .where(T.c.document_id == doc_id, T.c.status == ChunkStatus.FAILED)
-        .values(status=ChunkStatus.QUEUED, attempts=0, next_attempt_at=0.0, last_error=None, run_id=None)
-    )
-    conn.execute(update(D).where(D.c.id == doc_id).values(status=DocStatus.QUEUED, error=None))
-    return res.rowcount
-
-
-class Heartbeat:
-    """Renews a lease in a background thread while work runs: ``with Heartbeat(...) as hb: ...``.
-    ``hb.lost`` is set when a renewal finds the lease gone."""
-
-    def __init__(self, db: Database, c: Claim, lease_seconds: float, every_seconds: float):
-        self.db, self.claim, self.lease, self.every = db, c, lease_seconds, every_seconds
-        self.lost = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=f"heartbeat-{c.chunk_id}", daemon=True)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.every):
-            try:
-                if not heartbeat(self.db, self.claim, self.lease):
-                    logger.warning("lease on chunk {} was lost", self.claim.chunk_id)
-                    self.lost.set()
-                    return
-            except Exception as e:  # a DB hiccup must not kill the worker; the next beat retries
-                logger.warning("heartbeat for chunk {} failed: {}", self.claim.chunk_id, e)
-
-    def __enter__(self) -> Heartbeat:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()

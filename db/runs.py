@@ -17,20 +17,70 @@ Contract:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import datetime, timezone
+from typing import Any
 
 from sqlalchemy import Connection, func, literal, select, update
 
-from db.models import Chunk, ChunkStatus, Page, Run, RunEnd
-from db.session import Database
+from db.models import Chunk, ChunkStatus, Document, Page, Run, RunEnd
+from db.session import Database, among
 
 C = Chunk.__table__
 R = Run.__table__
 
 
-def close_run(conn: Connection, run_id: int, reason: str = RunEnd.CLOSED,
-              finished_at: datetime | None = None) -> list[int]:
+def open_run(db: Database, mode: str, model: str, engine_version: str, host: str, owner: str,
+             settings: dict[str, Any]) -> int:
+    """A new open run; its id."""
+    with db.engine.begin() as conn:
+        return conn.execute(R.insert().values(mode=mode, model=model, engine_version=engine_version, host=host,
+                                              owner=owner, settings=settings).returning(R.c.id)).scalar_one()
+
+
+def get_run(db: Database, run_id: int) -> Run | None:
+    with db.session() as s:
+        return s.get(Run, run_id)
+
+
+def runs(db: Database, ids: Collection[int]) -> list[Run]:
+    """The runs ``ids``, in id order."""
+    with db.session() as s:
+        return list(s.scalars(select(Run).where(among(Run.id, ids)).order_by(Run.id))) if ids else []
+
+
+def latest_run_with_pages(db: Database) -> int | None:
+    with db.session() as s:
+        return s.scalar(select(func.max(Page.run_id)))
+
+
+def run_pages(db: Database, run_id: int) -> list[tuple[Page, Document]]:
+    """The pages run ``run_id`` stored, each with its document, by document and page index."""
+    with db.session() as s:
+        return [tuple(r) for r in s.execute(select(Page, Document).join(Document, Document.id == Page.document_id)
+                                            .where(Page.run_id == run_id).order_by(Document.id, Page.page_index))]
+
+
+def run_chunk_stats(db: Database, run_id: int) -> list[dict[str, Any]]:
+    """The decode stats of every chunk run ``run_id`` stored, by chunk id."""
+    with db.session() as s:
+        return [c.stats or {} for c in s.scalars(select(Chunk).where(Chunk.run_id == run_id).order_by(Chunk.id))]
+
+
+def last_page_at(db: Database, run_id: int) -> datetime | None:
+    """When run ``run_id`` stored its last page."""
+    with db.session() as s:
+        return s.scalar(select(func.max(Page.created_at)).where(Page.run_id == run_id))
+
+
+def close_run(db: Database, run_id: int) -> list[int]:
+    """Close ``run_id`` (its own process ends it) and cancel the chunks still reserved for it; see ``end_run``."""
+    with db.engine.begin() as conn:
+        return end_run(conn, run_id)
+
+
+def end_run(conn: Connection, run_id: int, reason: RunEnd = RunEnd.CLOSED,
+            finished_at: datetime | None = None) -> list[int]:
     """Close ``run_id`` if it is still open and cancel the chunks still reserved for it, inside the caller's
     transaction. Returns the ids of the documents that had chunks cancelled (sorted; empty when the run was
     already closed or left nothing)."""
@@ -65,5 +115,5 @@ def close_runs_of_gone_owners(db: Database, is_gone: Callable[[str | None], bool
             continue
         with db.engine.begin() as conn:
             last_page = conn.scalar(select(func.max(Page.created_at)).where(Page.run_id == run_id))
-            out[run_id] = close_run(conn, run_id, RunEnd.CRASHED, last_page or started_at)
+            out[run_id] = end_run(conn, run_id, RunEnd.CRASHED, last_page or started_at)
     return out

@@ -13,11 +13,23 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, Engine, create_engine, event, func, make_url, select, text, update
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    Engine,
+    bindparam,
+    create_engine,
+    event,
+    func,
+    make_url,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.orm import Session, sessionmaker
 
 from db.models import Base, Run, RunEnd, SchemaVersion
@@ -52,7 +64,50 @@ MIGRATIONS: dict[int, Callable[[Connection], None]] = {2: _v2_run_owner_and_end,
 
 
 class SchemaTooNew(RuntimeError):
-    pass
+    """The ledger was written by a newer uflash."""
+
+
+class LedgerUrlError(ValueError):
+    """``database.url`` cannot work: not a database URL, or its driver is not installed (``driver`` names it)."""
+
+    def __init__(self, message: str, driver: str | None = None):
+        super().__init__(message)
+        self.driver = driver
+
+
+def among(column: ColumnElement, ids: Collection[int]) -> ColumnElement:
+    """``column IN (ids)`` with the ids written into the SQL rather than bound one parameter each, so that a
+    `uflash run` of a folder of many thousand files stays under SQLite's and PostgreSQL's parameter limits."""
+    return column.in_(bindparam("ids", sorted(ids), expanding=True, literal_execute=True, unique=True))
+
+
+def masked_url(url: str) -> str:
+    """The database URL without its password (for logs and screens)."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return url
+
+
+def ledger_error(e: BaseException) -> str | None:
+    """One line saying what failed when ``e`` is an error of the database layer (SQLAlchemy's or a driver's: the
+    ledger unreachable, locked past its timeout, a value refused, the disk full under it), else None."""
+    import sqlite3
+
+    from sqlalchemy.exc import SQLAlchemyError
+
+    drivers: list[type[BaseException]] = [sqlite3.Error]
+    try:
+        import psycopg
+
+        drivers.append(psycopg.Error)
+    except ImportError:
+        pass
+    if not isinstance(e, (SQLAlchemyError, *drivers)):
+        return None
+    orig = getattr(e, "orig", None) or e
+    first = (str(orig).strip().splitlines() or [type(orig).__name__])[0]
+    return f"the ledger failed: {type(orig).__name__}: {first}"[:500]
 
 
 def _finite(value: Any) -> Any:
@@ -102,6 +157,19 @@ def make_engine(url: str, busy_timeout_ms: int = 30_000) -> Engine:
     return create_engine(url, pool_pre_ping=True, json_serializer=json_dumps, connect_args=connect_args)
 
 
+def open_engine(url: str, busy_timeout_ms: int = 30_000) -> Engine:
+    """``make_engine``, with a URL that cannot work (bad URL, driver not installed) raised as ``LedgerUrlError``."""
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        return make_engine(url, busy_timeout_ms)
+    except ImportError as e:
+        raise LedgerUrlError(f"database.url {masked_url(url)} needs a database driver that is not installed "
+                             f"({e.name}): pip install -e \".[postgres]\"", e.name) from None
+    except (ArgumentError, NoSuchModuleError) as e:
+        raise LedgerUrlError(f"database.url {masked_url(url)} is not a usable database URL: {e}") from None
+
+
 def schema_version(conn: Connection) -> int | None:
     """The schema version of the ledger on ``conn``, or None when it has no uflash tables yet."""
     if not conn.dialect.has_table(conn, SchemaVersion.__tablename__):
@@ -128,11 +196,13 @@ def init_schema(engine: Engine) -> int:
 
 
 class Database:
-    """An engine plus a session factory; the one handle the rest of uflash passes around."""
+    """An engine plus a session factory; the one handle the rest of uflash passes around. A URL that cannot work
+    raises ``LedgerUrlError``, a ledger of a newer uflash ``SchemaTooNew``; an unreachable server raises what the
+    database layer raised (``ledger_error`` describes it)."""
 
     def __init__(self, url: str, busy_timeout_ms: int = 30_000, create: bool = True):
         self.url = url
-        self.engine = make_engine(url, busy_timeout_ms)
+        self.engine = open_engine(url, busy_timeout_ms)
         if create:
             init_schema(self.engine)
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)

@@ -22,8 +22,8 @@ from typing import Any, Protocol
 import torch
 from loguru import logger
 
-from engine.official import DecodeResult, decode_text, official_generate, parse_elements, split_pages
 from engine.model import PAGE_SEPARATOR, LoadedModel
+from engine.official import DecodeResult, decode_text, official_generate, parse_elements, split_pages
 
 MIN_NEW_TOKENS = 16
 

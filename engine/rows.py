@@ -31,7 +31,8 @@ def official_rule(loaded: LoadedModel, prompt_kind: str) -> tuple[int, int]:
     checkpoint's generation config, as generate does); raises if generate would also apply any other logits
     processor or stopping rule than EOS and max_new_tokens (the engine would then not be exact)."""
     from transformers.models.unlimited_ocr.generation_unlimited_ocr import (
-        UnlimitedOcrSlidingWindowNoRepeatNgramLogitsProcessor as Rule)
+        UnlimitedOcrSlidingWindowNoRepeatNgramLogitsProcessor as Rule,
+    )
 
     config, _ = loaded.model._prepare_generation_config(official_generation_config(loaded, prompt_kind, 1))
     processors = loaded.model._get_logits_processor(config, input_ids_seq_length=1, device="cpu", model_kwargs={})

@@ -20,7 +20,10 @@ IMAGE_SIZE = 256  # tokens per page = q * (q + 1) + 1 with q = IMAGE_SIZE // 16 
 
 
 def _training_text() -> list[str]:
-    import argparse, json as _json, logging, textwrap  # built-in text: a few stdlib docstrings
+    import argparse
+    import json as _json
+    import logging
+    import textwrap  # built-in text: a few stdlib docstrings
 
     docs = [m.__doc__ or "" for m in (argparse, _json, logging, textwrap)]
     labels = ["title", "text", "table", "image", "header", "footer", "list", "caption"]
@@ -98,8 +101,12 @@ def build_tiny_model(folder: Path, sliding_window: int = 8, seed: int = 0, vocab
     Decoder: 3 layers (layer 0 dense, 1-2 MoE with 4 experts, top-2, 1 shared), hidden 64, 4 heads; init 0.2
     so that greedy outputs are long and varied (at 0.02 they collapse into 2-12 token loops).
     """
-    from transformers import (GenerationConfig, UnlimitedOcrForConditionalGeneration, UnlimitedOcrImageProcessor,
-                              UnlimitedOcrProcessor)
+    from transformers import (
+        GenerationConfig,
+        UnlimitedOcrForConditionalGeneration,
+        UnlimitedOcrImageProcessor,
+        UnlimitedOcrProcessor,
+    )
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

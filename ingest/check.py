@@ -7,16 +7,15 @@ space) and at the model folder. Run it on each machine that is to work on a shar
 from __future__ import annotations
 
 import shutil
-import sqlite3
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import make_url, select
-
+from db.overview import ledger_facts
+from db.session import SCHEMA_VERSION, LedgerUrlError, masked_url
 from ingest.config import Settings
-from ingest.errors import ConfigError, InfrastructureError, infrastructure_problem
+from ingest.errors import ConfigError, InfrastructureError, ModelUnavailable, UflashError, infrastructure_problem
 
 FOLDERS = ("inbox", "outbox", "archive", "failed", "logs")
 
@@ -26,24 +25,13 @@ class Check:
     name: str
     ok: bool
     detail: str
-    exit_code: int = 0  # what a failure of this check makes `uflash check` exit with
-
-
-def masked_url(url: str) -> str:
-    """The database URL without its password (for logs and screens)."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:
-        return url
+    fault: type[UflashError] | None = None  # the kind of failure (the CLI maps it to `uflash check`'s exit code)
 
 
 def check_ledger(settings: Settings) -> tuple[Check, list[str], list[str]]:
     """Reach the ledger and read its schema version (read only). Returns the check, the owners of its open runs (the
     workers at work on it now, or that stopped without closing their run) and the folders of the originals of the
     documents waiting in it."""
-    from db.models import DocStatus, Document, Run
-    from db.session import SCHEMA_VERSION, make_engine, schema_version
-
     url = settings.database_url
     shown = masked_url(url)
     if url.startswith("sqlite:///") and ":memory:" not in url:
@@ -51,31 +39,20 @@ def check_ledger(settings: Settings) -> tuple[Check, list[str], list[str]]:
         if not path.exists():
             there = _nearest_existing(path.parent)
             if there is None or not _writable(there):
-                return Check("ledger", False, f"{shown}: no ledger, and {path.parent} cannot be created", 2), [], []
+                return Check("ledger", False, f"{shown}: no ledger, and {path.parent} cannot be created",
+                             ConfigError), [], []
             return Check("ledger", True, f"{shown}: no ledger yet; the first `uflash watch` or `uflash run` "
                                          f"creates it (schema version {SCHEMA_VERSION})"), [], []
     try:
-        engine = make_engine(url, settings.database.busy_timeout_ms)
-    except ImportError as e:
-        return Check("ledger", False, f"{shown}: its database driver is not installed ({e.name}): "
-                                      f"pip install -e \".[postgres]\"", ConfigError.exit_code), [], []
-    except Exception as e:
-        return Check("ledger", False, f"{shown}: not a usable database URL: {e}", ConfigError.exit_code), [], []
-    owners, originals = [], []
-    try:
-        with engine.connect() as conn:
-            version = schema_version(conn)
-            server = _server(conn)
-            if version is not None:
-                owners = conn.execute(select(Run.owner).where(Run.finished_at.is_(None)).distinct()).scalars().all()
-                originals = conn.execute(select(Document.original_path).where(
-                    Document.status.in_([DocStatus.QUEUED, DocStatus.RUNNING]), Document.archived_path.is_(None))
-                    .limit(10_000)).scalars().all()
+        facts = ledger_facts(url, settings.database.busy_timeout_ms)
+    except LedgerUrlError as e:
+        detail = f"its database driver is not installed ({e.driver}): pip install -e \".[postgres]\"" if e.driver \
+            else f"not a usable database URL: {e}"
+        return Check("ledger", False, f"{shown}: {detail}", ConfigError), [], []
     except Exception as e:
         problem = infrastructure_problem(e) or f"{type(e).__name__}: {e}"
-        return Check("ledger", False, f"{shown}: cannot be reached: {problem}", InfrastructureError.exit_code), [], []
-    finally:
-        engine.dispose()
+        return Check("ledger", False, f"{shown}: cannot be reached: {problem}", InfrastructureError), [], []
+    version, server = facts.version, facts.server
     if version is None:
         schema = f"empty: the first `uflash watch` or `uflash run` creates its tables (schema version {SCHEMA_VERSION})"
     elif version == SCHEMA_VERSION:
@@ -84,9 +61,9 @@ def check_ledger(settings: Settings) -> tuple[Check, list[str], list[str]]:
         schema = f"schema version {version}: the first start of this uflash migrates it to {SCHEMA_VERSION}"
     else:
         return Check("ledger", False, f"{shown} ({server}): schema version {version} is newer than this uflash's "
-                                      f"({SCHEMA_VERSION}): upgrade uflash on this machine", 2), [], []
-    folders = sorted({str(Path(p).parent) for p in originals})
-    return Check("ledger", True, f"{shown} ({server}): {schema}"), sorted(o for o in owners if o), folders
+                                      f"({SCHEMA_VERSION}): upgrade uflash on this machine", ConfigError), [], []
+    folders = sorted({str(Path(p).parent) for p in facts.waiting_originals})
+    return Check("ledger", True, f"{shown} ({server}): {schema}"), facts.open_run_owners, folders
 
 
 def check_waiting_originals(folders: list[str]) -> Check:
@@ -96,18 +73,11 @@ def check_waiting_originals(folders: list[str]) -> Check:
     if missing:
         return Check("shared", False, f"documents wait in the ledger at folders this machine cannot reach: "
                                       f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} (every worker "
-                                      f"needs the inbox at the same path: mount the share there)", 2)
+                                      f"needs the inbox at the same path: mount the share there)", ConfigError)
     if not folders:
         return Check("shared", True, "no document waits in the ledger")
     return Check("shared", True, f"the originals of the documents waiting are reachable here ({len(folders)} "
                                  f"folder{'s' if len(folders) != 1 else ''})")
-
-
-def _server(conn: Any) -> str:
-    info = ".".join(map(str, conn.dialect.server_version_info or ()))
-    if conn.dialect.name == "sqlite":
-        return f"SQLite {sqlite3.sqlite_version}"
-    return f"{'PostgreSQL' if conn.dialect.name == 'postgresql' else conn.dialect.name} {info}".strip()
 
 
 def _nearest_existing(p: Path) -> Path | None:
@@ -128,14 +98,14 @@ def _writable(folder: Path) -> bool:
 def check_folder(settings: Settings, name: str) -> Check:
     p = getattr(settings, name)
     if p.exists() and not p.is_dir():
-        return Check(name, False, f"{p}: a file, not a folder (folders.{name})", 2)
+        return Check(name, False, f"{p}: a file, not a folder (folders.{name})", ConfigError)
     if not p.exists():
         there = _nearest_existing(p)
         if there is None or not _writable(there):
-            return Check(name, False, f"{p}: missing, and cannot be created here (folders.{name})", 2)
+            return Check(name, False, f"{p}: missing, and cannot be created here (folders.{name})", ConfigError)
         return Check(name, True, f"{p}: not there yet; created at the first start")
     if not _writable(p):
-        return Check(name, False, f"{p}: cannot write in it (folders.{name})", 2)
+        return Check(name, False, f"{p}: cannot write in it (folders.{name})", ConfigError)
     free = shutil.disk_usage(p).free
     return Check(name, True, f"{p}: writable, {_size(free)} free")
 
@@ -146,28 +116,29 @@ def check_model(settings: Settings) -> Check:
     if local.is_dir():
         if (local / "config.json").is_file():
             return Check("model", True, f"{path}")
-        return Check("model", False, f"{path}: a folder without config.json: not a model (model.path)", 3)
+        return Check("model", False, f"{path}: a folder without config.json: not a model (model.path)",
+                     ModelUnavailable)
     if local.is_absolute() or local.exists():
-        return Check("model", False, f"{path}: not found (model.path); the worker waits, intake goes on", 3)
+        return Check("model", False, f"{path}: not found (model.path); the worker waits, intake goes on",
+                     ModelUnavailable)
     return Check("model", True, f"{path}: a hub id; uflash never downloads: it must be in the local cache")
 
 
 def run_checks(settings: Settings) -> dict[str, Any]:
-    """Every check, in order, with the owners of the ledger's open runs; ``exit_code`` is the first failure's."""
+    """Every check, in order, with the owners of the ledger's open runs (a failed check's ``fault`` says what kind of
+    failure it is)."""
     checks = []
     try:
         settings.check_folders()
     except ConfigError as e:
-        checks.append(Check("folders", False, str(e), e.exit_code))
+        checks.append(Check("folders", False, str(e), ConfigError))
     ledger, owners, originals = check_ledger(settings)
     checks.append(ledger)
     checks += [check_folder(settings, name) for name in FOLDERS]
     if ledger.ok:
         checks.append(check_waiting_originals(originals))
     checks.append(check_model(settings))
-    failed = [c for c in checks if not c.ok]
-    return {"checks": [asdict(c) for c in checks], "open_runs_of": owners, "ok": not failed,
-            "exit_code": failed[0].exit_code if failed else 0}
+    return {"checks": [asdict(c) for c in checks], "open_runs_of": owners, "ok": all(c.ok for c in checks)}
 
 
 def format_checks(result: dict[str, Any]) -> str:

@@ -10,14 +10,13 @@ from __future__ import annotations
 import os
 import tempfile
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from engine.quality import Thresholds
-from ingest.orientation import OrientationConfig
 from ingest.errors import ConfigError
 
 CONFIG_ENV = "UFLASH_CONFIG"
@@ -28,7 +27,7 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class Folders(_Section):
+class FolderSettings(_Section):
     inbox: Path = Path("var/inbox")
     outbox: Path = Path("var/outbox")
     archive: Path = Path("var/archive")
@@ -36,14 +35,14 @@ class Folders(_Section):
     logs: Path = Path("var/logs")
 
 
-class Database(_Section):
+class DatabaseSettings(_Section):
     url: str = "sqlite:///var/uflash.db"  # or postgresql+psycopg://user@host/db (pip install -e ".[postgres]")
     busy_timeout_ms: int = Field(default=30_000, ge=0)
 
 
 class ModelSettings(_Section):
     path: str = "models/demo"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")  # cuda:N: one worker per GPU
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
 
@@ -55,10 +54,45 @@ class EngineSettings(_Section):
     context_margin: float = Field(default=0.1, ge=0.0, lt=1.0)
     default_tokens_per_page: int = Field(default=1_200, ge=1)
     max_tokens_per_page: int | None = Field(default=None, ge=1)  # cap on output; None: up to the context
+    max_batch: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"  # chunks decoding together; auto: as many as
+    # free GPU memory holds
+    kernels: Literal["auto", "torch", "invariant"] = "auto"  # auto: batch-invariant in bf16/fp16 on CUDA
 
 
-class Quality(_Section):
-    """Grading thresholds (engine.quality.Thresholds documents each one; defaults are the dataclass's), and whether
+@dataclass(frozen=True)
+class Thresholds:
+    """The ``[quality]`` section of config.toml: the parameters of the figures computed here, and the thresholds
+    of the grade (``ingest.grading``: a page is *poor* when any poor rule fires, *fair* when any fair rule fires,
+    else *good*; rules whose figure is missing do not fire). The grading thresholds were chosen on a labelled
+    ladder against the truth (docs/grades.md)."""
+
+    distinct_20_poor: float = 0.80  # Distinct-20 below this: poor (repetition)
+    distinct_20_fair: float = 0.95
+    mean_logprob_poor: float = -0.15  # mean log-probability of the emitted tokens below this: poor
+    mean_logprob_fair: float = -0.08
+    unsure_word_prob: float = 0.5  # a word whose confidence is below this is one the model was unsure of ...
+    unsure_words_poor: float = 0.25  # ... and a share of such words above this: poor
+    unsure_words_fair: float = 0.10
+    ink_min_chars: int = 40  # compare the text with the print on the page when either has at least this many chars
+    ink_short: float = 0.4  # characters read / characters of print measured on the page below this: poor
+    ink_long: float = 2.5  # ... above this: poor
+    ink_short_fair: float = 0.6
+    ink_long_fair: float = 2.0
+    repeat_share: float = 0.5  # a page whose character 8-grams are this much on another page repeats it ...
+    repeat_min_chars: int = 40  # ... when it has at least this many characters
+    low_confidence_prob: float = 0.5  # a token whose probability is below this is low-confidence (a figure)
+    text_layer_min_chars: int = 20  # compare with the text layer only when it has at least this many chars
+    neighbour_low: float = 0.25  # characters / median of the neighbours' below this (or above high): fair
+    neighbour_high: float = 4.0
+    neighbour_min_chars: int = 200  # ... only when the neighbours' median has at least this many chars
+    loop_min_repeats: int = 3  # a looping tail repeats its unit at least this often
+    loop_min_tokens: int = 32  # ... and covers at least this many tokens
+    loop_tail_tokens: int = 200  # or: the last this many tokens (a near-loop under the no-repeat rule) ...
+    loop_tail_distinct: float = 0.5  # ... have Distinct-10 below this
+
+
+class QualitySettings(_Section):
+    """``[quality]``: the fields of ``Thresholds`` (each documented there; defaults are the dataclass's), and whether
     pages caught by the checks are decoded again alone (ingest.repair)."""
 
     __annotations__ = {**{f: type(v) for f, v in vars(Thresholds()).items()}, "repair": bool}
@@ -69,21 +103,18 @@ class Quality(_Section):
         return Thresholds(**self.model_dump(exclude={"repair"}))
 
 
-class Orientation(_Section):
-    """Scans turned sideways or upside down (ingest.orientation documents each key)."""
+class OrientationSettings(_Section):
+    """``[orientation]``: scans turned sideways or upside down (ingest.orientation says how each key is used)."""
 
     auto: bool = True
-    sideways_below: float = Field(default=0.75, gt=0.0)
-    upside_down_below: float = Field(default=-0.5, ge=-1.0, le=1.0)
-    probe_tokens: int = Field(default=256, ge=8)
-    min_gain: float = Field(default=0.1, ge=0.0)
-    min_logprob: float = Field(default=-0.5, le=0.0)
-
-    def config(self) -> OrientationConfig:
-        return OrientationConfig(**self.model_dump(exclude={"auto"}))
+    sideways_below: float = Field(default=0.75, gt=0.0)  # stripe_ratio below this: probed for a quarter turn
+    upside_down_below: float = Field(default=-0.5, ge=-1.0, le=1.0)  # ragged_edges below this: probed for a half turn
+    probe_tokens: int = Field(default=256, ge=8)  # tokens decoded per probe
+    min_gain: float = Field(default=0.1, ge=0.0)  # a turn must beat the page as it is by this mean log-probability
+    min_logprob: float = Field(default=-0.5, le=0.0)  # ... and be read with at least this mean log-probability
 
 
-class Outputs(_Section):
+class OutputSettings(_Section):
     """What each finished document gets in the outbox (ingest.outputs): md (document.md), json (document.json, always
     written: uflash reads it back), pdf (document.pdf, PDF/A-2b), alto (alto/<page>.xml), hocr (document.hocr)."""
 
@@ -97,7 +128,7 @@ class Outputs(_Section):
         return list(dict.fromkeys(v))
 
 
-class Watch(_Section):
+class WatchSettings(_Section):
     settle_seconds: float = Field(default=5.0, ge=0.0)
     incomplete_grace_seconds: float = Field(default=600.0, ge=0.0)
     rescan_seconds: float = Field(default=60.0, gt=0.0)
@@ -106,7 +137,7 @@ class Watch(_Section):
     max_page_pixels: int = Field(default=150_000_000, ge=1)
 
 
-class Worker(_Section):
+class WorkerSettings(_Section):
     lease_seconds: float = Field(default=300.0, gt=0.0)
     heartbeat_seconds: float = Field(default=30.0, gt=0.0)
     max_attempts: int = Field(default=3, ge=1)
@@ -119,15 +150,15 @@ class Settings(BaseSettings):
         env_prefix="UFLASH_", env_nested_delimiter="__", extra="forbid", validate_default=True
     )
 
-    folders: Folders = Folders()
-    database: Database = Database()
+    folders: FolderSettings = FolderSettings()
+    database: DatabaseSettings = DatabaseSettings()
     model: ModelSettings = ModelSettings()
     engine: EngineSettings = EngineSettings()
-    quality: Quality = Quality()
-    orientation: Orientation = Orientation()
-    outputs: Outputs = Outputs()
-    watch: Watch = Watch()
-    worker: Worker = Worker()
+    quality: QualitySettings = QualitySettings()
+    orientation: OrientationSettings = OrientationSettings()
+    outputs: OutputSettings = OutputSettings()
+    watch: WatchSettings = WatchSettings()
+    worker: WorkerSettings = WorkerSettings()
     config_dir: Path = Field(default=Path("."), exclude=True)
     config_file: Path | None = Field(default=None, exclude=True)  # the file read, if any (commands shown name it)
 
@@ -142,6 +173,13 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # Environment beats the file (the file arrives as init kwargs).
         return env_settings, init_settings
+
+    def on_device(self, device: str) -> Settings:
+        """These settings with ``model.device`` replaced (``--device``), checked as the config file's value is."""
+        try:
+            return self.model_copy(update={"model": ModelSettings(**{**self.model.model_dump(), "device": device})})
+        except ValidationError as e:
+            raise ConfigError(f"--device {device!r}: use cpu, cuda or cuda:N ({e.errors()[0]['msg']})") from None
 
     # -- derived values ---------------------------------------------------------------------
     def resolve(self, p: Path | str) -> Path:

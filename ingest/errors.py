@@ -1,32 +1,46 @@
-"""Typed errors. Each carries the exit code the CLI maps it to, at one edge (ingest.cli.main)."""
+"""The exit codes and the typed errors. The CLI (ingest.cli.main) maps each error to its exit code, at that one edge.
+
+An error of the ledger or of the machine (``infrastructure_problem``) is told apart from a problem of a file here, in
+one place: nothing is ever rejected or failed for the former.
+"""
 
 from __future__ import annotations
 
 import errno
+from enum import IntEnum
+
+from db.session import ledger_error
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    UNEXPECTED = 1  # see the log
+    CONFIG = 2  # configuration or usage error (a folder that cannot be used included)
+    MODEL = 3  # the model is not available
+    INPUT = 4  # a file was refused, or a document failed
+    INFRASTRUCTURE = 5  # the ledger or the machine failed
+    INTERRUPTED = 130  # stopped (Ctrl+C, SIGTERM) before the work was done
+    PIPE_CLOSED = 141  # the reader of the output went away (`uflash report | head`)
 
 
 class UflashError(Exception):
     """Base class: a failure we expected and can explain in one line."""
 
-    exit_code = 1
-
 
 class ConfigError(UflashError):
     """The configuration file or environment is wrong (bad type, unknown key, looping folders)."""
-
-    exit_code = 2
 
 
 class UsageError(UflashError):
     """The command line asks for something that cannot be done."""
 
-    exit_code = 2
+
+class ModelUnavailable(UflashError):
+    """The model cannot be loaded: no chunk can run until the configuration or the files are fixed."""
 
 
 class InputRejected(UflashError):
     """A dropped file cannot be processed; ``reason`` is recorded and shown to the user."""
-
-    exit_code = 4
 
     def __init__(self, reason: str):
         super().__init__(reason)
@@ -41,9 +55,7 @@ class InputIncomplete(InputRejected):
 
 class InfrastructureError(UflashError):
     """The ledger (database) or the machine (disk full, I/O error) failed: not the fault of any file. Nothing is
-    rejected for it; a long-running command retries with backoff, a one-shot command stops with this code."""
-
-    exit_code = 5
+    rejected for it; a long-running command retries with backoff, a one-shot command stops."""
 
 
 # errors of the machine: a full disk or quota, a failing or read-only disk, no memory or file handles left, a network
@@ -58,29 +70,12 @@ def infrastructure_problem(e: BaseException) -> str | None:
     """One line saying what is wrong when ``e`` is an error of the ledger or of the machine, else None (a problem of
     the file itself, or of uflash). The one place that tells the two apart: every error of the database layer is the
     ledger's (unreachable, locked past its timeout, a value out of range, disk full under it), never the file's."""
-    import sqlalchemy.exc
-
     if isinstance(e, InfrastructureError):
         return str(e)
-    if isinstance(e, (sqlalchemy.exc.SQLAlchemyError, _dbapi_errors())):
-        orig = getattr(e, "orig", None) or e
-        first = (str(orig).strip().splitlines() or [type(orig).__name__])[0]
-        return f"the ledger failed: {type(orig).__name__}: {first}"[:500]
+    if (problem := ledger_error(e)) is not None:
+        return problem
     if isinstance(e, OSError) and e.errno in MACHINE_ERRNOS:
         where = f" ({e.filename})" if e.filename else ""
         return f"the machine failed: {e.strerror or e}{where}"[:500]
     return None  # a MemoryError too: a file can cause it (an image bomb), so it stays the file's
 
-
-def _dbapi_errors() -> tuple[type[BaseException], ...]:
-    """The database drivers' own error classes, for an error that escaped SQLAlchemy's wrapping."""
-    import sqlite3
-
-    found: list[type[BaseException]] = [sqlite3.Error]
-    try:
-        import psycopg
-
-        found.append(psycopg.Error)
-    except ImportError:
-        pass
-    return tuple(found)

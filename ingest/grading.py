@@ -1,12 +1,12 @@
 """Page grades: ``good`` (a reviewer can skip the page), ``fair`` (worth a glance), ``poor`` (look at it), with the
 reasons in plain words.
 
-The rules and their thresholds (``[quality]`` in config.toml, fields of ``engine.quality.Thresholds``) were chosen on
+The rules and their thresholds (``[quality]`` in config.toml, fields of ``ingest.config.Thresholds``) were chosen on
 a labelled difficulty ladder against the truth and checked on a held-out half (docs/grades.md,
 ``python -m scripts.eval.grades``). A grade never depends on the PDF having a text layer: the agreement with a text
 layer is shown beside the grade, not used in it (a born-digital page and its scan, read alike, grade alike).
 
-Figures a page is graded on (``stats.quality``; those of ``engine.quality.page_quality`` plus these):
+Figures a page is graded on (``stats.quality``; those of ``ingest.quality.page_quality`` plus these):
 - ``unsure_words``: share of the page's words whose confidence (``stats.word_confidence``: the product of their
   tokens' probabilities) is below ``unsure_word_prob``;
 - ``plain_chars``: characters of the page's text without markup; ``ink_chars``: characters of print measured on the
@@ -28,7 +28,7 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from engine.quality import Thresholds
+from ingest.quality import Thresholds
 from ingest.word_layout import plain_words
 
 GRAM = 8  # characters per n-gram of the repeat check

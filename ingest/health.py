@@ -13,15 +13,19 @@ import json
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from loguru import logger
 
+from ingest.errors import infrastructure_problem
 from ingest.files import write_atomic
 from ingest.owners import is_gone, this_process
+
+T = TypeVar("T")
 
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 15.0)  # seconds before the 1st, 2nd, ... retry; then every 15 s
 REPEAT_LOG_S = 300.0  # once the backoff is at its longest, the log says "still failing" this often
@@ -76,6 +80,18 @@ class Trouble:
         self._record({"problem": problem, "since": _iso(self.since), "last_seen": _iso(now), "tries": self.tries,
                       "next_try": _iso(now + wait), "over_at": None})
         return wait
+
+    def retrying(self, what: str, stop: threading.Event | None, action: Callable[[], T]) -> T:
+        """``action()``, tried again with this backoff while the ledger or the machine fails (until ``stop``): a
+        decoded result is kept and stored once the ledger takes it. Other errors, and the last one when stopped,
+        are raised."""
+        while True:
+            try:
+                return action()
+            except Exception as e:
+                problem = infrastructure_problem(e)
+                if problem is None or stop is None or stop.is_set() or stop.wait(self.failed(f"{what}: {problem}")):
+                    raise
 
     def ok(self) -> None:
         """Note a try that worked: if there was trouble, log and record that it is over."""

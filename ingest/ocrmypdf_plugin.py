@@ -75,8 +75,8 @@ def decode_with_uflash(source: Path, work: Path, config: str | None = None) -> P
     ``work``; return the ``document.json`` written."""
     from db.session import Database
     from ingest.batch import run_batch
-    from ingest.cli import _make_worker
     from ingest.config import load_settings
+    from ingest.worker import make_worker
 
     settings = load_settings(config)
     for name in ("inbox", "outbox", "archive", "failed", "logs"):
@@ -88,12 +88,12 @@ def decode_with_uflash(source: Path, work: Path, config: str | None = None) -> P
     db = Database(settings.database_url)
     try:
         with contextlib.redirect_stdout(sys.stderr):  # OCRmyPDF may be writing the PDF to standard output
-            res = run_batch(settings, db, [source], _make_worker, threading.Event())
+            res = run_batch(settings, db, [source], make_worker, threading.Event(), report=lambda run_id: None)
     finally:
         db.dispose()
     found = sorted(settings.outbox.glob("*/document.json"))
-    if res.code != 0 or not found:
-        raise UflashFailed(f"uflash could not decode {source} (exit code {res.code}); see the messages above")
+    if res.done != 1 or not found:
+        raise UflashFailed(f"uflash could not decode {source}; see the messages above")
     return found[0]
 
 

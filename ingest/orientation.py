@@ -8,8 +8,8 @@ Two steps, so that an upright page costs next to nothing (a few milliseconds):
      gives the reverse. It is measured over the rows and columns that hold the middle 96% of the ink each way
      (INK_TRIM), so that the blank part of a page of short lines (a register, an index) does not count: over the
      whole page, 34 upright lines of two words measured 0.44 and the same page sideways 2.29, the wrong way round.
-     Below ``sideways_below`` (default 0.75) the page is probed for a quarter turn. Measured (session 17,
-     scripts/eval_orientation.py): 24 upright synthetic scans 1.55-4.45, turned a quarter 0.22-0.64; 15 list
+     Below ``sideways_below`` (default 0.75) the page is probed for a quarter turn. Measured
+     (scripts/eval_orientation.py): 24 upright synthetic scans 1.55-4.45, turned a quarter 0.22-0.64; 15 list
      pages (2-14 words a line, 8-34 lines) 1.71-2.21 and 0.45-0.59; the 20 upright pages with ink among the real
      samples 0.89-4.12 (none looked at), the two real sideways sheets of ``cardinal.pdf`` 0.257.
    - ``ragged_edges``: the stripes cannot tell an upside-down page (its lines run across too), but its edges can.
@@ -17,7 +17,7 @@ Two steps, so that an upright page costs next to nothing (a few milliseconds):
      paragraph, a line that ends early); turned upside down, the ends are aligned and the starts ragged. The
      measure is (spread of the line ends - spread of the line starts) / their sum over the page's text lines:
      near +1 upright, near -1 upside down, None with fewer than MIN_LINES lines. Below ``upside_down_below``
-     (default -0.5) the page is probed for a half turn. Measured (session 17): 23 upright synthetic scans with
+     (default -0.5) the page is probed for a half turn. Measured: 23 upright synthetic scans with
      enough lines -0.45..1.0 (22 above 0.58), the same upside down the mirror image; the real samples' upright pages
      with enough lines 0.05-0.99, and the upside-down sheet of ``cardinal.pdf`` (page 3) -0.99. Right-aligned
      scripts (Arabic, Hebrew) and pages of centred lines look upside down or say nothing; the model decides.
@@ -44,18 +44,11 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageOps
 
+from ingest.config import OrientationSettings
+
 PROFILE_PX = 600  # the page is measured at this size (longer side)
 MIN_LINES = 5  # ragged_edges needs at least this many lines of text (bands of rows with ink, 3 px or taller)
 INK_TRIM = 0.02  # stripe_ratio measures the rows and columns that hold the middle 96% of the ink, each way
-
-
-@dataclass(frozen=True)
-class OrientationConfig:
-    sideways_below: float = 0.75  # stripe_ratio below this: the page is probed for a quarter turn
-    upside_down_below: float = -0.5  # ragged_edges below this: the page is probed for a half turn
-    probe_tokens: int = 256  # tokens decoded per probe
-    min_gain: float = 0.1  # a turn must beat the page as it is by this much mean log-probability
-    min_logprob: float = -0.5  # ... and be read with at least this mean log-probability (quality's "fair" line)
 
 
 def turn(image: Image.Image, degrees: int) -> Image.Image:
@@ -161,26 +154,41 @@ class TurnChoice:
                 "probe_s": round(self.probe_s, 3)}
 
 
-def choose_turn(image: Image.Image, probe: Callable[[Image.Image], float], config: OrientationConfig) -> TurnChoice:
-    """The turn under which the model reads ``image`` best. ``probe(image)`` returns the mean log-probability of
-    the first ``config.probe_tokens`` tokens the model reads there (-inf when it reads none); it is called only
-    for pages that look sideways (three times then: as it is, 90, 270) or upside down (twice: as it is, 180)."""
+@dataclass(frozen=True)
+class InkMeasures:
+    """The model-free first step: the page's measures and the turns worth probing (none for an upright page)."""
+
+    ratio: float | None
+    edges: float | None
+    candidates: tuple[int, ...]
+
+
+def measure_ink(image: Image.Image, config: OrientationSettings) -> InkMeasures:
+    """Measure the page's ink (a few milliseconds, no model): which turns, if any, the model should be asked about."""
     ink = _ink(image)
     ratio, edges = _stripe_ratio(ink), None
     if ratio is None:
-        return TurnChoice(0, ratio)
+        return InkMeasures(ratio, None, ())
     if ratio < config.sideways_below:
-        candidates: tuple[int, ...] = (90, 270)
-    else:
-        edges = _ragged_edges(ink)
-        candidates = (180,) if edges is not None and edges < config.upside_down_below else ()
-    if not candidates:
-        return TurnChoice(0, ratio, edges=edges)
+        return InkMeasures(ratio, None, (90, 270))
+    edges = _ragged_edges(ink)
+    return InkMeasures(ratio, edges, (180,) if edges is not None and edges < config.upside_down_below else ())
+
+
+def choose_turn(image: Image.Image, probe: Callable[[Image.Image], float], config: OrientationSettings,
+                measures: InkMeasures | None = None) -> TurnChoice:
+    """The turn under which the model reads ``image`` best. ``probe(image)`` returns the mean log-probability of
+    the first ``config.probe_tokens`` tokens the model reads there (-inf when it reads none); it is called only
+    for pages that look sideways (three times then: as it is, 90, 270) or upside down (twice: as it is, 180).
+    ``measures``: the page's ``measure_ink``, when taken already."""
+    m = measures or measure_ink(image, config)
+    if not m.candidates:
+        return TurnChoice(0, m.ratio, edges=m.edges)
     t0 = time.perf_counter()
-    scores = {t: probe(turn(image, t)) for t in (0, *candidates)}
-    best = max(candidates, key=lambda t: scores[t])
+    scores = {t: probe(turn(image, t)) for t in (0, *m.candidates)}
+    best = max(m.candidates, key=lambda t: scores[t])
     keep = scores[best] >= config.min_logprob and scores[best] - scores[0] >= config.min_gain
-    return TurnChoice(best if keep else 0, ratio, scores, time.perf_counter() - t0, edges)
+    return TurnChoice(best if keep else 0, m.ratio, scores, time.perf_counter() - t0, m.edges)
 
 
 def decoder_probe(decoder, context_limit: int, tokens: int) -> Callable[[Image.Image], float]:

@@ -7,23 +7,12 @@ and the document is still done (its text is in the others)."""
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 from ingest.files import write_atomic
-
-_DET = re.compile(r"<\|det\|>.*?<\|/det\|>", re.S)
-_DET_CUT = re.compile(r"<\|det\|>(?:(?!<\|/det\|>).)*$", re.S)  # an element header cut off by the end of the output
-_SPECIAL = re.compile(r"<\|/?(?:ref|grounding)\|>")
-
-
-def page_markdown(text: str) -> str:
-    """The readable text of a page: grounding markup (labels and boxes) removed, table cells kept."""
-    t = _SPECIAL.sub("", _DET_CUT.sub("", _DET.sub("", text)))
-    t = t.replace("<td>", " | ").replace("</td>", "")
-    return re.sub(r"\n{3,}", "\n\n", t).strip()
+from ingest.page_text import page_markdown
 
 
 def holds_another_document(folder: Path, sha256: str) -> bool:

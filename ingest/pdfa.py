@@ -8,7 +8,8 @@ viewer selects that word; embedded fonts; the PDF/A-2b conversion and its XMP id
 - The scan under the text: a PDF original's own pages; an image original (TIFF, PNG, JPEG) one page per frame, as
   the searchable PDF makes them (ingest.searchable_pdf: upright, at the image's DPI).
 - A page the model read turned is shown turned the same way (the plugin reports the turn to OCRmyPDF, which turns
-  the page), so its words fit the page as displayed. A page that already has a text layer (born digital) keeps its own text (OCRmyPDF's ``skip`` mode).
+  the page), so its words fit the page as displayed. A page that already has a text layer (born digital) keeps its
+  own text (OCRmyPDF's ``skip`` mode).
 - When OCRmyPDF or Ghostscript is missing, or OCRmyPDF fails on the file, the log says why and ``document.pdf`` is
   the searchable PDF of ingest.searchable_pdf instead (not PDF/A).
 """

@@ -42,7 +42,8 @@ def probe_file(path: Path, max_page_pixels: int) -> Probed:
     path = Path(path)
     expected = SUFFIX_KIND.get(path.suffix.lower())
     if expected is None:
-        raise InputRejected(f"unsupported file type '{path.suffix or '(no extension)'}': uflash reads PDF, TIFF, PNG and JPEG")
+        raise InputRejected(f"unsupported file type '{path.suffix or '(no extension)'}': uflash reads PDF, TIFF, PNG "
+                            "and JPEG")
     size = path.stat().st_size
     if size == 0:
         raise InputRejected("empty file (0 bytes)")

@@ -1,7 +1,7 @@
 """Figures of a decoded chunk's pages, and the repair of pages that look fine but are wrong.
 
 ``chunk_page_stats`` gives each page the stats the ledger stores beside its text: the figures of
-``engine.quality.page_quality`` and ``ingest.grading.page_figures`` (``quality``), its word confidences and image
+``ingest.quality.page_quality`` and ``ingest.grading.page_figures`` (``quality``), its word confidences and image
 size (``ingest.word_confidence.archival_stats``), the chunk-level checks (a page that repeats an earlier page of the
 chunk, a chunk that returned another number of pages than it was given).
 
@@ -22,10 +22,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine.chunk_decode import ChunkOutput, PageOutput
-from engine.quality import Thresholds, page_quality
 from ingest.grading import checks, explain, page_figures, plain_text, repeats
 from ingest.ink import ink_text
-from ingest.outputs import page_markdown
+from ingest.page_text import page_markdown
+from ingest.quality import Thresholds, page_quality
 from ingest.word_confidence import archival_stats
 
 
@@ -86,7 +86,8 @@ def _reading(po: PageOutput, st: dict[str, Any], t: Thresholds) -> dict[str, Any
 
 
 def repair_chunk(out: ChunkOutput, stats: list[dict[str, Any]], images: Sequence, text_layers: Sequence[str | None],
-                 decode_alone: Callable[[int], ChunkOutput], tokenizer: Any, t: Thresholds, first: int = 1) -> list[int]:
+                 decode_alone: Callable[[int], ChunkOutput], tokenizer: Any, t: Thresholds,
+                 first: int = 1) -> list[int]:
     """Decode the caught pages of a multi-page chunk again alone and keep the better reading of each (the module's
     rule); ``out.pages`` and ``stats`` are updated in place (``stats[i]["repair"]`` records both readings).
     ``decode_alone(i)`` decodes page ``i`` (0-based in the chunk) alone. Returns the indexes of the pages repaired."""
@@ -115,7 +116,8 @@ def repair_chunk(out: ChunkOutput, stats: list[dict[str, Any]], images: Sequence
             alone_st["quality"]["repeats"] = {**rep, "confirmed": True}
             a["checks"] = checks(alone_st["quality"], t)
         keep_alone = (len(a["checks"]), -(a["confidence"] or -1e9)) <= (len(c["checks"]), -(c["confidence"] or -1e9))
-        record = {"checks": c["checks"], "why": [explain(code, chunk_st["quality"], short=True) for code in c["checks"]],
+        why = [explain(code, chunk_st["quality"], short=True) for code in c["checks"]]
+        record = {"checks": c["checks"], "why": why,
                   "kept": "alone" if keep_alone else "chunk", "chunk": c, "alone": a,
                   "seconds": round(time.perf_counter() - t0, 3)}
         if keep_alone:

@@ -2,41 +2,34 @@
 JSON, and as the run's review page in ``<outbox>/reports/run-<ID>.html`` (ingest.review_page: each page beside its
 text, boxes and reasons, rendered from the archived original; one self-contained file).
 
-A run is one ``uflash run``, one ``uflash watch`` process or one ``uflash rerun`` (ingest/worker.py), and its
+A run is one ``uflash run``, one batch of a ``uflash watch`` process or one ``uflash rerun`` (ingest.lifecycle), and its
 report shows the pages that run decoded, nothing earlier: its size and the time to render its thumbnails grow
 with that run's work, not with the ledger."""
 
 from __future__ import annotations
 
 import json
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import func, select
-
-from db.models import Document, Page, Run
+from db.runs import get_run, last_page_at, latest_run_with_pages, run_pages
 from db.session import Database
 from ingest.errors import UsageError
 from ingest.orientation import page_turn
-from ingest.review_page import REVIEW_PX, THUMB_PX, page_images, render_html, repair_note, run_span
-
-
-def latest_run_id(db: Database) -> int | None:
-    with db.session() as s:
-        return s.scalar(select(func.max(Page.run_id)))
+from ingest.review_assets import REVIEW_PX, THUMB_PX
+from ingest.review_page import page_images, render_html, repair_note, run_span
 
 
 def collect_report(db: Database, run_id: int | None = None, grade: str | None = None) -> dict[str, Any]:
     """The pages of run ``run_id`` (default: the latest run with pages), optionally only those of ``grade``."""
-    run_id = run_id if run_id is not None else latest_run_id(db)
+    run_id = run_id if run_id is not None else latest_run_with_pages(db)
     if run_id is None:
         return {"run": None, "documents": [], "pages": 0, "grades": {}}
-    with db.session() as s:
-        run = s.get(Run, run_id)
-        if run is None:
-            raise UsageError(f"no run {run_id}")
-        rows = s.execute(select(Page, Document).join(Document, Document.id == Page.document_id)
-                         .where(Page.run_id == run_id).order_by(Document.id, Page.page_index)).all()
+    run = get_run(db, run_id)
+    if run is None:
+        raise UsageError(f"no run {run_id}")
+    rows = run_pages(db, run_id)
     docs: dict[int, dict[str, Any]] = {}
     grades: dict[str, int] = {}
     for page, doc in rows:
@@ -58,17 +51,32 @@ def collect_report(db: Database, run_id: int | None = None, grade: str | None = 
             "tokens_per_second": round(tokens / seconds, 2) if seconds else None,
             "quality": q, "repair": st.get("repair"), "word_confidence": st.get("word_confidence"),
             "text": page.text})
+    n_pages = sum(len(d["pages"]) for d in docs.values())
     return {"run": {"id": run.id, "mode": run.mode, "model": run.model, "started_at": run.started_at.isoformat(),
                     "finished_at": run.finished_at.isoformat() if run.finished_at else None,
-                    "end_reason": run.end_reason, "owner": run.owner, "settings": run.settings},
-            "documents": list(docs.values()), "pages": sum(len(d["pages"]) for d in docs.values()), "grades": grades}
+                    "end_reason": run.end_reason, "owner": run.owner, "settings": run.settings,
+                    "pages_per_hour": pages_per_hour(len(rows), run.started_at, last_page_at(db, run_id))},
+            "documents": list(docs.values()), "pages": n_pages, "grades": grades}
+
+
+def pages_per_hour(pages: int, started: datetime | None, last_page: datetime | None) -> float | None:
+    """The run's throughput: pages it stored per hour from its start (model load included) to its last page."""
+    if not pages or started is None or last_page is None:
+        return None
+    seconds = (_utc(last_page) - _utc(started)).total_seconds()
+    return round(pages * 3600 / seconds, 1) if seconds > 0 else None
+
+
+def _utc(t: datetime) -> datetime:
+    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
 
 
 def format_report(rep: dict[str, Any]) -> str:
     if rep["run"] is None:
         return "no pages stored yet"
     r = rep["run"]
-    lines = [f"run {r['id']} ({r['mode']}, {r['model']}; {run_span(r)}): {rep['pages']} pages  "
+    rate = f" ({r['pages_per_hour']:,.0f} pages/hour)" if r.get("pages_per_hour") else ""
+    lines = [f"run {r['id']} ({r['mode']}, {r['model']}; {run_span(r)}): {rep['pages']} pages{rate}  "
              + "  ".join(f"{g} {n}" for g, n in sorted(rep["grades"].items()))]
     for d in rep["documents"]:
         lines += ["", f"#{d['id']} {d['name']} ({d['page_count']} pages)",

@@ -14,18 +14,21 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from loguru import logger
-from sqlalchemy import func, select
-from tqdm import tqdm
 
-from db.models import Chunk, ChunkStatus, Document, Page, Run
+from db.chunks import chunk_ranges, queue_reserved, reserved_chunks, reserved_pending
+from db.documents import documents
+from db.models import ChunkStatus, Page
+from db.pages import latest_pages, pages_of_run
+from db.runs import get_run
 from db.session import Database
-from engine.quality import normalized_edit_distance
 from ingest.config import Settings
 from ingest.errors import UsageError
+from ingest.lifecycle import serve_run
+from ingest.quality import normalized_edit_distance
 
 
 def parse_pages(spec: str) -> tuple[int, int]:
@@ -38,15 +41,6 @@ def parse_pages(spec: str) -> tuple[int, int]:
     if first < 1 or last < first:
         raise UsageError(f"--pages {spec!r}: need 1 <= first <= last")
     return first, last
-
-
-def latest_pages(db: Database, doc_id: int | None = None) -> list[Page]:
-    """The latest stored version of every page (the one the document outputs show), by document and index."""
-    with db.session() as s:
-        latest = select(func.max(Page.id)).group_by(Page.document_id, Page.page_index)
-        if doc_id is not None:
-            latest = latest.where(Page.document_id == doc_id)
-        return list(s.scalars(select(Page).where(Page.id.in_(latest)).order_by(Page.document_id, Page.page_index)))
 
 
 def select_pages(db: Database, grade: str | None = None, doc_id: int | None = None,
@@ -63,20 +57,13 @@ def select_pages(db: Database, grade: str | None = None, doc_id: int | None = No
     return out
 
 
-def plan_chunks(db: Database, picked: list[Page]) -> list[tuple[int, int, int, int | None]]:
+def rerun_chunks(db: Database, picked: list[Page]) -> list[tuple[int, int, int, int | None]]:
     """(document_id, first, last, source chunk id): the picked pages grouped by the chunk that produced them,
     one contiguous run of picked pages per new chunk. A chunk that was split (its output reached the context
     limit or ran out of memory, and its remaining pages went to child chunks) counts as its first, unsplit range:
     when every page of that range is picked, the re-run decodes the whole range again, which splits the same way
     (same prompt, same mode) and so reproduces the first pass; its own pages alone would be another prompt."""
-    with db.session() as s:
-        chunks: dict[int, tuple[int, int, int | None]] = {}  # id -> (first, last, parent id)
-        wanted = {p.chunk_id for p in picked if p.chunk_id is not None}
-        while wanted:
-            rows = s.execute(select(Chunk.id, Chunk.first_page, Chunk.last_page, Chunk.parent_id)
-                             .where(Chunk.id.in_(wanted))).all()
-            chunks.update({r.id: (r.first_page, r.last_page, r.parent_id) for r in rows})
-            wanted = {r.parent_id for r in rows if r.parent_id is not None} - set(chunks)
+    chunks = chunk_ranges(db, {p.chunk_id for p in picked if p.chunk_id is not None})
     chosen = {(p.document_id, p.page_index) for p in picked}
 
     def source(doc_id: int, chunk_id: int | None) -> int | None:
@@ -110,59 +97,56 @@ def plan_chunks(db: Database, picked: list[Page]) -> list[tuple[int, int, int, i
 class RerunResult:
     run_id: int | None
     earlier_runs: list[int]
-    chunks: list[int]
-    pages: int
-    failed: list[str]
-    cancelled: list[str]  # chunks not decoded because the re-run was stopped (db.runs cancels them)
+    chunks: list[int] = field(default_factory=list)
+    pages: int = 0
+    failed: list[str] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)  # not decoded: the re-run was stopped (db.runs cancels them)
 
 
 def rerun(settings: Settings, db: Database, make_worker: Callable[..., Any], stop: threading.Event,
-          grade: str | None = None, doc_id: int | None = None, pages: tuple[int, int] | None = None) -> RerunResult:
+          report: Callable[[int], None], grade: str | None = None, doc_id: int | None = None,
+          pages: tuple[int, int] | None = None, announce: Callable[[RerunResult], None] | None = None) -> RerunResult:
+    """Re-run the chosen pages (see the module docstring) into a new run; ``announce(result)`` once its chunks ended,
+    before its report."""
     picked = select_pages(db, grade, doc_id, pages)
     if not picked:
-        return RerunResult(None, [], [], 0, [], [])
+        return RerunResult(None, [])
     earlier = sorted({p.run_id for p in picked})
-    plan = plan_chunks(db, picked)
+    plan = rerun_chunks(db, picked)
     worker = make_worker(settings, db, fresh_run={"rerun_of": earlier, "rerun_pages": len(picked)})
     run_id = worker.run_id()  # loads the model first: without one, nothing is queued
-    with db.engine.begin() as conn:  # reserved for this run: a running `uflash watch` leaves them alone
-        conn.execute(Chunk.__table__.insert(), [
-            dict(document_id=d, first_page=a, last_page=b, run_id=run_id,
-                 note=f"re-run of pages {a}-{b} (earlier run(s) {earlier})") for d, a, b, _ in plan])
+    # reserved for this run: a running `uflash watch` leaves them alone
+    queue_reserved(db, run_id, [(d, a, b) for d, a, b, _ in plan],
+                   f"re-run of pages {{first}}-{{last}} (earlier run(s) {earlier})")
+    result = RerunResult(run_id, earlier, pages=len(picked))
 
-    def finished() -> bool:  # chunks split off ours (context limit, out of memory) are reserved for the run too
-        with db.session() as s:
-            return s.scalar(select(func.count()).select_from(Chunk).where(
-                Chunk.run_id == run_id, Chunk.status.in_([ChunkStatus.QUEUED, ChunkStatus.RUNNING]))) == 0
+    def summary(_: int | None) -> None:
+        for c in reserved_chunks(db, run_id):
+            result.chunks.append(c.id)
+            where = f"pages {c.first_page}-{c.last_page} of document {c.document_id}"
+            if c.status == ChunkStatus.FAILED:
+                result.failed.append(f"{where}: {c.last_error}")
+            elif c.status == ChunkStatus.CANCELLED:
+                result.cancelled.append(where)
+        result.chunks.sort()
+        logger.info("re-run {}: {} pages in {} chunks", run_id, len(picked), len(result.chunks))
+        if announce is not None:
+            announce(result)
 
-    with tqdm(total=len(picked), unit="page", desc="uflash rerun", dynamic_ncols=True) as bar:
-        worker.on_pages = bar.update
-        try:
-            worker.serve(stop, until=finished)
-        finally:
-            worker.close_run()
-    with db.session() as s:
-        ids = list(s.scalars(select(Chunk.id).where(Chunk.run_id == run_id).order_by(Chunk.id)))
-        ended = {st: s.scalars(select(Chunk).where(Chunk.run_id == run_id, Chunk.status == st)
-                               .order_by(Chunk.document_id, Chunk.first_page)).all()  # PostgreSQL keeps no order
-                 for st in (ChunkStatus.FAILED, ChunkStatus.CANCELLED)}
-    failed = [f"pages {c.first_page}-{c.last_page} of document {c.document_id}: {c.last_error}"
-              for c in ended[ChunkStatus.FAILED]]
-    cancelled = [f"pages {c.first_page}-{c.last_page} of document {c.document_id}"
-                 for c in ended[ChunkStatus.CANCELLED]]
-    logger.info("re-run {}: {} pages in {} chunks", run_id, len(picked), len(ids))
-    return RerunResult(run_id, earlier, ids, len(picked), failed, cancelled)
+    # chunks split off ours (context limit, out of memory) are reserved for the run too
+    serve_run(worker, stop, lambda: reserved_pending(db, run_id) == 0, report,
+              progress=("uflash rerun", len(picked)), summary=summary)
+    return result
 
 
 def diff_runs(db: Database, run_a: int, run_b: int) -> dict[str, Any]:
     """Per page present in both runs: normalized edit distance of the texts (0 = identical)."""
-    with db.session() as s:
-        for r in (run_a, run_b):
-            if s.get(Run, r) is None:
-                raise UsageError(f"no run {r}")
-        a = {(p.document_id, p.page_index): p for p in s.scalars(select(Page).where(Page.run_id == run_a))}
-        b = {(p.document_id, p.page_index): p for p in s.scalars(select(Page).where(Page.run_id == run_b))}
-        names = dict(s.execute(select(Document.id, Document.original_name)).all())
+    for r in (run_a, run_b):
+        if get_run(db, r) is None:
+            raise UsageError(f"no run {r}")
+    a = {(p.document_id, p.page_index): p for p in pages_of_run(db, run_a)}
+    b = {(p.document_id, p.page_index): p for p in pages_of_run(db, run_b)}
+    names = {d.id: d.original_name for d in documents(db, {k[0] for k in a.keys() & b.keys()})}
     rows = []
     for key in sorted(a.keys() & b.keys()):
         ned = normalized_edit_distance(a[key].text, b[key].text)

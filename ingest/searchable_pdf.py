@@ -28,7 +28,7 @@ from PIL import Image, ImageSequence
 
 from ingest.files import write_atomic
 from ingest.orientation import page_turn
-from ingest.outputs import page_markdown
+from ingest.page_text import page_markdown
 from ingest.render import EXIF_ORIENTATION, UPRIGHT, flatten_to_rgb
 
 DEFAULT_DPI = 300

@@ -10,67 +10,35 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import func, select
-
-from db.models import Chunk, ChunkStatus, DocStatus, Document, Duplicate, Page, Rejected, Run
+from db.models import DocStatus
+from db.overview import ledger_counts
 from db.session import Database
 from ingest.health import format_trouble
 from ingest.owners import is_gone
 
 
 def collect_status(db: Database, limit: int = 20) -> dict[str, Any]:
-    with db.session() as s:
-        docs = dict(s.execute(select(Document.status, func.count()).group_by(Document.status)).all())
-        chunks = dict(s.execute(select(Chunk.status, func.count()).group_by(Chunk.status)).all())
-        pages = s.scalar(select(func.coalesce(func.sum(Document.page_count), 0)))
-        n_dup = s.scalar(select(func.count()).select_from(Duplicate))
-        n_rej = s.scalar(select(func.count()).select_from(Rejected))
-        failed_docs = s.execute(
-            select(Document.id, Document.original_name, Document.error)
-            .where(Document.status == "failed").order_by(Document.id.desc()).limit(limit)
-        ).all()
-        rejected = s.execute(
-            select(Rejected.name, Rejected.reason, Rejected.moved_to).order_by(Rejected.id.desc()).limit(limit)
-        ).all()
-        leases = s.execute(
-            select(Chunk.lease_owner, func.count(), func.max(Chunk.lease_expires_at))
-            .where(Chunk.status == "running").group_by(Chunk.lease_owner).order_by(Chunk.lease_owner)
-        ).all()
-        runs = s.execute(select(Run.id, Run.mode, Run.owner, Run.started_at, Run.settings,
-                                select(func.count(Page.id)).where(Page.run_id == Run.id).scalar_subquery())
-                         .where(Run.finished_at.is_(None)).order_by(Run.id)).all()
-        pending = (ChunkStatus.QUEUED, ChunkStatus.RUNNING)
-        pages_left = s.scalar(select(func.coalesce(func.sum(Chunk.last_page - Chunk.first_page + 1), 0))
-                              .where(Chunk.status.in_(pending)))
-        waiting = s.execute(
-            select(Document.id, Document.original_name, Document.status, Document.page_count,
-                   select(func.count(func.distinct(Page.page_index))).where(Page.document_id == Document.id)
-                   .scalar_subquery())
-            .where(Document.status.in_([DocStatus.QUEUED, DocStatus.RUNNING])).order_by(Document.id).limit(limit)
-        ).all()
-        retrying = s.execute(
-            select(Chunk.id, Chunk.document_id, Chunk.first_page, Chunk.last_page, Chunk.attempts, Chunk.last_error)
-            .where(Chunk.status == "queued", Chunk.last_error.is_not(None)).order_by(Chunk.id).limit(limit)
-        ).all()
-    open_runs = _open_runs(runs, datetime.now(timezone.utc))
+    c = ledger_counts(db, limit)
+    open_runs = _open_runs(c["open_runs"], datetime.now(timezone.utc))
     rate = sum(r["pages_per_hour"] or 0 for r in open_runs)
+    pages_left = c["pages_left"]
     return {
-        "documents": {"total": sum(docs.values()), **docs},
-        "chunks": {"total": sum(chunks.values()), **chunks},
-        "pages": int(pages or 0),
-        "duplicates": n_dup,
-        "rejected": n_rej,
-        "failed_documents": [{"id": i, "name": n, "error": e} for i, n, e in failed_docs],
-        "rejected_files": [{"name": n, "reason": r, "moved_to": m} for n, r, m in rejected],
-        "leases": [{"owner": o, "chunks": n, "until": u, "owner_gone": is_gone(o)} for o, n, u in leases],
+        "documents": {"total": sum(c["documents"].values()), **c["documents"]},
+        "chunks": {"total": sum(c["chunks"].values()), **c["chunks"]},
+        "pages": c["pages"],
+        "duplicates": c["duplicates"],
+        "rejected": c["rejected"],
+        "failed_documents": [{"id": i, "name": n, "error": e} for i, n, e in c["failed_documents"]],
+        "rejected_files": [{"name": n, "reason": r, "moved_to": m} for n, r, m in c["rejected_files"]],
+        "leases": [{"owner": o, "chunks": n, "until": u, "owner_gone": is_gone(o)} for o, n, u in c["leases"]],
         "open_runs": open_runs,
         "waiting_documents": [{"id": i, "name": n, "status": st, "pages_decoded": done, "page_count": total}
-                              for i, n, st, total, done in waiting],
-        "pages_left": int(pages_left or 0),
-        "eta_seconds": round(int(pages_left or 0) / rate * 3600) if rate and pages_left else None,
+                              for i, n, st, total, done in c["waiting_documents"]],
+        "pages_left": pages_left,
+        "eta_seconds": round(pages_left / rate * 3600) if rate and pages_left else None,
         "retrying_chunks": [
             {"id": i, "document_id": d, "pages": f"{a}-{b}", "attempts": t, "last_error": e}
-            for i, d, a, b, t, e in retrying
+            for i, d, a, b, t, e in c["retrying_chunks"]
         ],
     }
 
@@ -103,7 +71,7 @@ def format_status(st: dict[str, Any]) -> str:
     for d in st["waiting_documents"]:
         lines.append(f"waiting:   #{d['id']} {d['name']}: {d['pages_decoded']}/{d['page_count']} pages decoded "
                      f"({d['status']})")
-    waiting = st["documents"].get("queued", 0) + st["documents"].get("running", 0)
+    waiting = st["documents"].get(DocStatus.QUEUED, 0) + st["documents"].get(DocStatus.RUNNING, 0)
     if (more := waiting - len(st["waiting_documents"])) > 0:
         lines.append(f"waiting:   ... and {more} more (--limit)")
     if st["pages_left"]:

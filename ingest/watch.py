@@ -32,7 +32,7 @@ from ingest.config import Settings
 from ingest.errors import infrastructure_problem
 from ingest.files import can_open_exclusively, is_ignored_name
 from ingest.health import Trouble
-from ingest.intake import IntakeResult, intake_file, reject
+from ingest.intake import Intake, IntakeResult, intake_file, reject
 
 
 @dataclass
@@ -173,9 +173,9 @@ class InboxWatcher:
                     return None
             else:
                 return None
-        if res.outcome not in ("known", "incomplete"):  # the ledger took a write: any trouble with it is over
+        if res.outcome not in (Intake.KNOWN, Intake.INCOMPLETE):  # the ledger took a write: any trouble with it is over
             self.trouble.ok()
-        if res.outcome == "incomplete":  # left in the inbox: look again later (or sooner, if it changes)
+        if res.outcome == Intake.INCOMPLETE:  # left in the inbox: look again later (or sooner, if it changes)
             grace = self.settings.watch.incomplete_grace_seconds
             c.not_before = time.monotonic() + min(self.RECHECK_SECONDS, max(self.settings.watch.settle_seconds, grace))
             self._tell_once(path, f"{path.name} looks incomplete, waiting for the rest of it: {res.reason} "

@@ -152,7 +152,7 @@ class Word:
 
 
 @dataclass
-class Line:
+class TextLine:
     box: Box
     words: list[Word]
 
@@ -162,7 +162,7 @@ class Block:
     label: str  # the model's label ("text" for text outside any element)
     kind: str  # text | table | picture
     box: Box
-    lines: list[Line]
+    lines: list[TextLine]
 
 
 @dataclass
@@ -205,7 +205,7 @@ def _pixels(grid_box: tuple[int, int, int, int], width: int, height: int) -> Box
     return Box(x0, y0, max(x1, x0 + 1), max(y1, y0 + 1))
 
 
-def _lay_lines(lines: list[list[WordSpan]], box: Box, conf: list[float | None]) -> list[Line]:
+def _lay_lines(lines: list[list[WordSpan]], box: Box, conf: list[float | None]) -> list[TextLine]:
     if not lines:
         return []
     space = char_width(" ")
@@ -224,7 +224,7 @@ def _lay_lines(lines: list[list[WordSpan]], box: Box, conf: list[float | None]) 
             words.append(Word(w.text, Box(wx0, top, wx1, bottom), conf[k]))
             x += space
             k += 1
-        out.append(Line(Box(words[0].box.x0, top, words[-1].box.x1, bottom), words))
+        out.append(TextLine(Box(words[0].box.x0, top, words[-1].box.x1, bottom), words))
     return out
 
 

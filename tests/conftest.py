@@ -147,9 +147,10 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 def worker_config(folder: Path, model_dir: Path, **sections: dict) -> Path:
-    """A config for worker tests: the tiny model on the CPU, small chunks, short outputs."""
+    """A config for worker tests: the tiny model on the CPU, small chunks, short outputs, one chunk decoding at a time
+    (the batched worker's tests set ``engine.max_batch``)."""
     base = {"model": {"path": str(model_dir), "device": "cpu", "dtype": "float32"},
-            "engine": {"max_pages_per_chunk": 4, "max_tokens_per_page": 30}}
+            "engine": {"max_pages_per_chunk": 4, "max_tokens_per_page": 30, "max_batch": 1}}
     for k, v in sections.items():
         base.setdefault(k, {}).update(v)
     for sec in base.values():  # None means "leave the key out" (TOML has no null)

@@ -83,14 +83,14 @@ def test_a_second_stop_signal_exits_at_once(monkeypatch):
     progress is redone by the next worker, as after a crash)."""
     import signal as signals
 
-    from ingest import cli
+    from ingest import lifecycle
 
     handlers = {}
-    monkeypatch.setattr(cli.signal, "signal", lambda sig, handler: handlers.__setitem__(sig, handler))
+    monkeypatch.setattr(lifecycle.signal, "signal", lambda sig, handler: handlers.__setitem__(sig, handler))
     exits = []
-    monkeypatch.setattr(cli.os, "_exit", exits.append)
-    monkeypatch.setattr(cli.logger, "remove", lambda *a: None)
-    stop = cli._stop_event()
+    monkeypatch.setattr(lifecycle.os, "_exit", exits.append)
+    monkeypatch.setattr(lifecycle.logger, "remove", lambda *a: None)
+    stop = lifecycle.stop_event()
     handler = handlers[signals.SIGINT]
     handler(signals.SIGINT, None)
     assert stop.is_set() and exits == []

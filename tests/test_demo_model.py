@@ -109,9 +109,9 @@ def test_demo_model_reads_sentences_the_test_chooses(demo):
     Decoded the way uflash decodes (lossless engine, token-identical to official)."""
     from engine.batch_engine import BatchEngine
     from engine.official import decode_text
-    from ingest.outputs import page_markdown
-    from scripts.train.demo_model import levenshtein
+    from ingest.page_text import page_markdown
     from scripts.eval.demo import OPEN_SENTENCES
+    from scripts.train.demo_model import levenshtein
 
     engine = BatchEngine(demo, "lossless", max_batch=len(OPEN_SENTENCES))
     results = engine.run([engine.prepare([sentence_page(sentence)], 200) for sentence in OPEN_SENTENCES])

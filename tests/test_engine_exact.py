@@ -11,7 +11,8 @@ import torch
 from PIL import Image
 from transformers import GenerationConfig
 from transformers.models.unlimited_ocr.generation_unlimited_ocr import (
-    UnlimitedOcrSlidingWindowNoRepeatNgramLogitsProcessor as OfficialRule)
+    UnlimitedOcrSlidingWindowNoRepeatNgramLogitsProcessor as OfficialRule,
+)
 
 from engine.batch_engine import BatchEngine
 from engine.chunk_decode import EngineDecoder, OfficialDecoder, load_decoder, prompt_length
@@ -79,13 +80,13 @@ def _corrupt(ids: list[int], vocab: int, how: str) -> list[int]:
 def test_rule_equals_official_processor_with_drafted_tails():
     rng = random.Random(1)
     bans = 0
-    for trial in range(120):
+    for _ in range(120):
         n, window = rng.choice([(2, 5), (3, 8), (4, 3), (35, 128), (35, 1024)])
         vocab = 3 if n < 35 else 5
         period = rng.randint(1, 12)
         motif = [rng.randrange(vocab) for _ in range(period)]
 
-        def token(i):  # mostly periodic, so that long n-grams repeat and the rule fires
+        def token(i, motif=motif, period=period, vocab=vocab):  # mostly periodic: long n-grams repeat, the rule fires
             return motif[i % period] if rng.random() < 0.97 else rng.randrange(vocab)
 
         prompt = [token(i) for i in range(rng.randint(0, 150))]

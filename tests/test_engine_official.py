@@ -10,7 +10,13 @@ import torch
 
 from engine.model import LoadedModel, ModelLoadError, ModelNotFound, load_model
 from engine.official import (
-    official_generate, official_generation_config, official_inputs, parse_elements, rswa_mask, split_pages)
+    official_generate,
+    official_generation_config,
+    official_inputs,
+    parse_elements,
+    rswa_mask,
+    split_pages,
+)
 from engine.tiny import build_tiny_model, set_eos_scale
 from tests.conftest import text_page as _page
 
@@ -71,7 +77,8 @@ def test_three_pages_match_generate(loaded):
 
 def test_official_rule_is_installed(loaded):
     from transformers.models.unlimited_ocr.generation_unlimited_ocr import (
-        UnlimitedOcrSlidingWindowNoRepeatNgramLogitsProcessor as Rule)
+        UnlimitedOcrSlidingWindowNoRepeatNgramLogitsProcessor as Rule,
+    )
 
     for kind, window in [("single", 128), ("multi", 1024)]:
         config = official_generation_config(loaded, kind, 10)

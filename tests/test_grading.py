@@ -3,7 +3,6 @@ are wrong (ingest.repair), through the real worker on a real SQLite ledger and r
 
 from __future__ import annotations
 
-import io
 import json
 
 import pymupdf
@@ -15,11 +14,11 @@ from db.models import Document, Page
 from db.session import Database
 from engine.chunk_decode import assemble
 from engine.official import DecodeResult
-from engine.quality import Thresholds
 from ingest.config import load_settings
 from ingest.grading import checks, explain, grade, grade_document, neighbour_ratio, repeats
 from ingest.ink import ink_text
 from ingest.intake import intake_file
+from ingest.quality import Thresholds
 from ingest.render import render_pages
 from ingest.worker import Worker
 from tests.conftest import make_pdf, serve_until, uflash, worker_config

@@ -5,14 +5,12 @@ again as page 2 (and more pages than it was given) has that page caught and repa
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
-from engine.quality import normalized_edit_distance
 from ingest.config import load_settings
-from engine.quality import Thresholds
 from ingest.grading import plain_text, repeats
+from ingest.quality import Thresholds, normalized_edit_distance
 from scripts.synth import make_document, strip_markup
 from tests.conftest import ROOT, uflash, write_config
 

@@ -7,8 +7,9 @@ from PIL import Image
 from sqlalchemy import func, select, update
 
 import ingest.intake
+from db.chunks import store_chunk
 from db.models import Chunk, ChunkStatus, DocStatus, Document, Duplicate, Page, Rejected, Run
-from db.queue import claim, complete, fail
+from db.queue import claim, fail
 from db.session import Database
 from ingest.errors import InputRejected
 from ingest.intake import intake_file
@@ -119,10 +120,7 @@ def _half_done_then_failed(db) -> int:
         s.flush()
         run_id = run.id
     c = claim(db, "w", lease_seconds=60, max_attempts=3)
-    with db.engine.begin() as conn:
-        assert complete(conn, c, run_id=run_id)
-        conn.execute(Page.__table__.insert(), [dict(document_id=c.document_id, run_id=run_id, chunk_id=c.chunk_id,
-                                                    page_index=i, text=f"page {i}") for i in (1, 2)])
+    store_chunk(db, c, run_id, [dict(page_index=i, text=f"page {i}") for i in (1, 2)])
     c2 = claim(db, "w", lease_seconds=60, max_attempts=3)
     assert fail(db, c2, "original file is gone", max_attempts=3, backoff_seconds=0, permanent=True) == "failed"
     return c.document_id

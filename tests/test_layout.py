@@ -16,19 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("ingest", "engine", "db", "scripts")
-
-# Cycles and SQLAlchemy imports that are still being moved out. The tests fail on any other, pass once these are
-# gone, and meanwhile report the ones left as an expected failure (empty these two and the tests are strict).
-CYCLES_BEING_REMOVED: list[set[str]] = [
-    {"ingest.archival", "ingest.outputs", "ingest.pdfa", "ingest.searchable_pdf"},
-]
-# ingest/ and the fast-mode benchmark still write SQLAlchemy statements; the ledger layer's named functions take them
-SQLALCHEMY_BEING_MOVED_TO_DB = ("ingest.", "scripts.bench.fast")
-
 
 def module_files() -> dict[str, Path]:
     """Dotted module name -> source file, for every module of the packages."""
@@ -140,10 +129,7 @@ def test_the_graph_is_read_right():
 
 def test_no_import_cycle():
     cycles = import_cycles(import_graph())
-    new = [c for c in cycles if not any(c <= known for known in CYCLES_BEING_REMOVED)]
-    assert not new, "import cycles: " + "; ".join(" <-> ".join(sorted(c)) for c in new)
-    if cycles:
-        pytest.xfail("import cycles still being removed: " + "; ".join(" <-> ".join(sorted(c)) for c in cycles))
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(sorted(c)) for c in cycles)
 
 
 def test_scripts_have_no_import_cycle():
@@ -155,10 +141,25 @@ def test_sqlalchemy_only_under_db():
     files = module_files()
     offenders = sorted(name for name, path in files.items() if not name.startswith("db")
                        and any(t.split(".")[0] == "sqlalchemy" for t in imported_names(name, path, files)))
-    new = [m for m in offenders if not m.startswith(SQLALCHEMY_BEING_MOVED_TO_DB)]
-    assert not new, f"modules outside db/ importing SQLAlchemy: {new}"
-    if offenders:
-        pytest.xfail(f"SQLAlchemy still imported outside db/ (moving into the ledger layer): {offenders}")
+    assert not offenders, f"modules outside db/ importing SQLAlchemy: {offenders}"
+
+
+def test_config_imports_no_feature_module():
+    """The settings know every section's keys and defaults themselves: ingest.config imports only the errors."""
+    files = module_files()
+    ours = {t for t in imported_names("ingest.config", files["ingest.config"], files) if t in files}
+    assert ours <= {"ingest.errors", "ingest"}, f"ingest.config imports {sorted(ours)}"
+
+
+def test_no_two_product_classes_share_a_name():
+    """A class name under ingest/, engine/ and db/ says which class it is: none is defined in two modules."""
+    where: dict[str, list[str]] = {}
+    for name, path in module_files().items():
+        if name.split(".")[0] in ("ingest", "engine", "db"):
+            for node in ast.parse(path.read_text(encoding="utf-8")).body:
+                if isinstance(node, ast.ClassDef):
+                    where.setdefault(node.name, []).append(name)
+    assert not {k: v for k, v in where.items() if len(v) > 1}
 
 
 def test_no_sys_path_edits():

@@ -14,13 +14,14 @@ import pymupdf
 import pytest
 from PIL import Image
 
-from ingest.orientation import OrientationConfig, choose_turn, ragged_edges, stripe_ratio, turn
+from ingest.config import OrientationSettings
+from ingest.orientation import choose_turn, ragged_edges, stripe_ratio, turn
 from ingest.render import render_pages
 from ingest.searchable_pdf import write_searchable_pdf
 from tests.conftest import SAMPLES, make_pdf
 
 DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
-CONFIG = OrientationConfig()
+CONFIG = OrientationSettings()
 
 
 def rendered(path: Path, page: int = 1) -> Image.Image:
@@ -94,17 +95,17 @@ def test_only_sideways_or_upside_down_pages_are_probed_and_a_turn_needs_a_clear_
     choice = choose_turn(sideways, probe, CONFIG)
     assert choice.turn == 90 and choice.scores == {0: -0.9, 90: -0.2, 270: -0.9} and len(calls) == 3
     assert choice.record()["turned"] == 90 and choice.record()["probe_mean_logprob"]["90"] == -0.2
-    assert choose_turn(sideways, probe, OrientationConfig(min_gain=0.8)).turn == 0  # not clearly better: kept
+    assert choose_turn(sideways, probe, OrientationSettings(min_gain=0.8)).turn == 0  # not clearly better: kept
     assert choose_turn(sideways, lambda im: -math.inf, CONFIG).turn == 0  # reads nothing anywhere: kept
     unsure = choose_turn(sideways, lambda im: probe(im) - 0.6, CONFIG)  # clearly better, but read badly (-0.8)
     assert unsure.turn == 0 and unsure.scores[90] == pytest.approx(-0.8)
-    assert choose_turn(sideways, probe, OrientationConfig(sideways_below=0.01)).scores is None  # gate closed
+    assert choose_turn(sideways, probe, OrientationSettings(sideways_below=0.01)).scores is None  # gate closed
     calls.clear()
     upside_down = choose_turn(turn(upright, 180), probe, CONFIG)
     assert upside_down.turn == 180 and upside_down.scores == {0: -0.9, 180: -0.2} and len(calls) == 2
     assert upside_down.note() == "scanned upside down: turned 180 degrees clockwise to be read"
     assert upside_down.looks.startswith("upside down (ragged edges -") and upside_down.record()["ragged_edges"] < -0.5
-    assert choose_turn(turn(upright, 180), probe, OrientationConfig(upside_down_below=-1.0)).scores is None
+    assert choose_turn(turn(upright, 180), probe, OrientationSettings(upside_down_below=-1.0)).scores is None
 
 
 @pytest.mark.parametrize("turned", [90, 180])
@@ -162,9 +163,12 @@ def test_the_demo_model_reads_a_turned_scan_as_it_reads_the_upright_one(tmp_path
     from engine.chunk_decode import load_decoder
     from ingest.config import load_settings
     from ingest.intake import intake_file
-    from ingest.report import _thumbnails, collect_report, format_report
+    from ingest.report import collect_report, format_report
+    from ingest.review_assets import THUMB_PX
+    from ingest.review_page import page_images
     from ingest.worker import Worker
-    from scripts.synth import make_document, render_pages as synth_pages
+    from scripts.synth import make_document
+    from scripts.synth import render_pages as synth_pages
     from tests.conftest import worker_config
     from tests.test_worker import serve_until_done
 
@@ -182,7 +186,7 @@ def test_the_demo_model_reads_a_turned_scan_as_it_reads_the_upright_one(tmp_path
         intake_file(db, s, image_pdf(s.inbox / f"{name}.pdf", [image]))
         serve_until_done(Worker(s, db, lambda: decoder), db, timeout=600)
         report = format_report(collect_report(db))
-        (thumb,) = _thumbnails(str(s.archive / f"{name}.pdf"), "pdf", [1],
+        (thumb,) = page_images(str(s.archive / f"{name}.pdf"), "pdf", {1: THUMB_PX},
                                {1: collect_report(db)["documents"][0]["pages"][0]["turned"]}).values()
         db.dispose()
         (out,) = [f for f in s.outbox.iterdir() if f.name != "reports"]

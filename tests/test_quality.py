@@ -1,4 +1,4 @@
-"""Page figures (engine.quality), the log-probabilities the decoders record, and fast mode's relaxed acceptance."""
+"""Page figures (ingest.quality), the log-probabilities the decoders record, and fast mode's relaxed acceptance."""
 
 from __future__ import annotations
 
@@ -14,8 +14,16 @@ from engine.chunk_decode import EngineDecoder
 from engine.model import load_model
 from engine.ngram_rule import NoRepeatNgramRule
 from engine.official import official_generate
-from engine.quality import (Thresholds, distinct_n, edit_distance, finish_reason, loop_tail, looping,
-                            normalized_edit_distance, page_quality)
+from ingest.quality import (
+    Thresholds,
+    distinct_n,
+    edit_distance,
+    finish_reason,
+    loop_tail,
+    looping,
+    normalized_edit_distance,
+    page_quality,
+)
 from tests.conftest import text_page
 
 

@@ -8,8 +8,9 @@ import time
 import pytest
 from sqlalchemy import func, select
 
+from db.chunks import complete_chunk
 from db.models import Chunk, ChunkStatus, Document
-from db.queue import claim, complete, end_leases_of_gone_owners, fail, heartbeat, release
+from db.queue import claim, end_leases_of_gone_owners, fail, heartbeat, release
 from db.session import Database
 from ingest.owners import is_gone, this_process
 from tests.conftest import ROOT
@@ -128,9 +129,8 @@ def test_lost_lease_cannot_complete_or_renew(db):
     b = claim(db, "b", lease_seconds=60, max_attempts=5, now=time.time() + 2)
     assert b is not None and b.chunk_id == a.chunk_id
     assert heartbeat(db, a, 60) is False
-    with db.engine.begin() as conn:
-        assert complete(conn, a) is False
-        assert complete(conn, b) is True
+    assert complete_chunk(db, a) is False
+    assert complete_chunk(db, b) is True
 
 
 def test_release_gives_chunk_back_without_counting(db):

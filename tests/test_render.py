@@ -2,7 +2,7 @@ import pymupdf
 import pytest
 from PIL import Image
 
-from ingest.outputs import page_markdown
+from ingest.page_text import page_markdown
 from ingest.render import render_pages
 from tests.conftest import SAMPLES, make_pdf, probed_samples
 

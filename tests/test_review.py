@@ -17,10 +17,10 @@ from db.models import Chunk, Document, Page, Run
 from db.session import Database
 from engine.chunk_decode import OfficialDecoder
 from engine.model import load_model
-from engine.quality import normalized_edit_distance
 from engine.tiny import build_tiny_model
 from ingest.config import load_settings
 from ingest.intake import intake_file
+from ingest.quality import normalized_edit_distance
 from ingest.report import collect_report, render_html
 from ingest.worker import Worker
 from tests.conftest import SQLITE_URL, fresh_pg_database, make_pdf, serve_until, uflash, worker_config
@@ -330,7 +330,7 @@ def test_bench_fast_smoke(tmp_path):
 def test_rerun_plans_chunks_from_the_pages_picked(db):
     """Picked pages keep their earlier chunk's range when all are picked, else form their own runs."""
     from ingest.errors import UsageError
-    from ingest.rerun import parse_pages, plan_chunks, select_pages
+    from ingest.rerun import parse_pages, rerun_chunks, select_pages
 
     with db.engine.begin() as conn:
         doc = conn.execute(Document.__table__.insert().values(
@@ -346,10 +346,10 @@ def test_rerun_plans_chunks_from_the_pages_picked(db):
                  boxes=[], stats={"quality": {"grade": g}}) for i, g in grades.items()])
     poor = select_pages(db, grade="poor")
     assert [p.page_index for p in poor] == [2, 3, 5, 6, 7]
-    assert plan_chunks(db, poor) == [(doc, 2, 3, c1), (doc, 5, 7, c2)]
+    assert rerun_chunks(db, poor) == [(doc, 2, 3, c1), (doc, 5, 7, c2)]
     picked = select_pages(db, doc_id=doc, pages=parse_pages("3-5"))
-    assert plan_chunks(db, picked) == [(doc, 3, 4, c1), (doc, 5, 5, c2)]
-    assert plan_chunks(db, select_pages(db, doc_id=doc)) == [(doc, 1, 4, c1), (doc, 5, 7, c2)]
+    assert rerun_chunks(db, picked) == [(doc, 3, 4, c1), (doc, 5, 5, c2)]
+    assert rerun_chunks(db, select_pages(db, doc_id=doc)) == [(doc, 1, 4, c1), (doc, 5, 7, c2)]
     with pytest.raises(UsageError):
         select_pages(db)
     from db.queue import claim
@@ -367,7 +367,7 @@ def test_rerun_plans_chunks_from_the_pages_picked(db):
 def test_rerun_of_a_split_chunk_decodes_its_first_range_again(db):
     """A chunk split at the context limit (pages 1-3 from chunk 1-4, page 4 from its child chunk): re-running all
     of 1-4 decodes 1-4 as one chunk again (the first pass's prompt), not 1-3 and 4 apart; a subset stays apart."""
-    from ingest.rerun import parse_pages, plan_chunks, select_pages
+    from ingest.rerun import parse_pages, rerun_chunks, select_pages
 
     with db.engine.begin() as conn:
         doc = conn.execute(Document.__table__.insert().values(
@@ -386,6 +386,6 @@ def test_rerun_of_a_split_chunk_decodes_its_first_range_again(db):
         conn.execute(Page.__table__.insert(), [
             dict(document_id=doc, run_id=run, chunk_id=c, page_index=i, text=f"p{i}", boxes=[],
                  stats={"quality": {"grade": "poor"}}) for i, c in producer.items()])
-    assert plan_chunks(db, select_pages(db, doc_id=doc)) == [(doc, 1, 4, split), (doc, 5, 6, rest)]
-    assert plan_chunks(db, select_pages(db, doc_id=doc, pages=parse_pages("2-4"))) == [(doc, 2, 3, split),
+    assert rerun_chunks(db, select_pages(db, doc_id=doc)) == [(doc, 1, 4, split), (doc, 5, 6, rest)]
+    assert rerun_chunks(db, select_pages(db, doc_id=doc, pages=parse_pages("2-4"))) == [(doc, 2, 3, split),
                                                                                         (doc, 4, 4, child)]

@@ -8,8 +8,15 @@ import numpy as np
 import pymupdf
 import pytest
 
-from scripts.synth import (HELD_OUT_LIMIT, join_pages, layout_labels, make_document, page_arrays, render_pages,
-                           strip_markup)
+from scripts.synth import (
+    HELD_OUT_LIMIT,
+    join_pages,
+    layout_labels,
+    make_document,
+    page_arrays,
+    render_pages,
+    strip_markup,
+)
 
 ELEMENT = re.compile(r"^<\|det\|>(\w+) \[(\d+), (\d+), (\d+), (\d+)\]<\|/det\|>(.*)$", re.DOTALL)
 LABELS = {"title", "sub_title", "text", "list", "table", "header", "footer"}

@@ -11,7 +11,6 @@ import torch
 from scripts.train import demo_model as dm
 from scripts.train.demo_checks import overfit, rswa_agreement, tiny_setup, word_pages
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
@@ -29,7 +28,7 @@ def test_training_steps_lower_the_loss(pages):
     model, tokenizer = tiny_setup([lbl for _, lbl in pages], seed=1)
     losses = overfit(model, tokenizer, pages, steps=12, freeze_steps=6)
     assert losses[-1] < 0.9 * losses[0] and sum(losses[-3:]) < sum(losses[:3]), losses
-    assert all(l == l for l in losses)  # no NaN
+    assert all(x == x for x in losses)  # no NaN
 
 
 def test_training_forward_matches_the_model_forward(tiny, pages):
@@ -121,7 +120,7 @@ def test_char_slots_point_at_the_vision_token_showing_each_character():
     from scripts.synth.text import CHAR_INDEX, N_CHAR_CLASSES
 
     checked = agree = 0
-    for arr, label, grid, slots in page_arrays(800_000, 2, 1024, chars=True, slots=True):
+    for _arr, label, grid, slots in page_arrays(800_000, 2, 1024, chars=True, slots=True):
         assert slots.shape == (len(label),)
         assert (slots[[i for i, ch in enumerate(label) if ch.isspace()]] == -1).all()
         assert label.startswith("<|det|>") and (slots[: label.index("<|/det|>") + 8] == -1).all()  # markup: none

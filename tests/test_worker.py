@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pymupdf
@@ -25,9 +25,8 @@ from db.session import Database
 from engine.chunk_decode import OfficialDecoder, assemble
 from engine.model import load_model
 from engine.official import DecodeResult
-from ingest.config import load_settings
+from ingest.config import OrientationSettings, load_settings
 from ingest.intake import intake_file
-from ingest.orientation import OrientationConfig
 from ingest.render import render_pages
 from ingest.worker import Worker
 from tests.conftest import ROOT, make_pdf, serve_until, uflash, wait_until, worker_config, write_config
@@ -301,29 +300,32 @@ def test_worker_killed_mid_chunk_redoes_it_once(tmp_path, tiny_model_dir, ledger
         select(Chunk).where(Chunk.status == ChunkStatus.RUNNING)).all())
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
-    with db.session() as ss:
+    with db.session() as ss:  # the chunk decoding and the one claimed ahead of it (rendered while the other decodes)
         running = ss.scalars(select(Chunk).where(Chunk.status == ChunkStatus.RUNNING)).all()
-        assert len(running) == 1 and running[0].lease_expires_at > time.time() + 200, "the killed worker held a lease"
+        assert 1 <= len(running) <= 2 and all(c.lease_expires_at > time.time() + 200 for c in running), \
+            "the killed worker held its leases"
     st = uflash("--config", str(cfg), "status").stdout
     assert "its worker is gone: the next worker takes it over at once" in st and "its process is gone" in st, st
-    started = time.monotonic()
     r = uflash("--config", str(cfg), "run", timeout=600)  # restart: takes the inbox file again
     assert r.returncode == 0, r.stdout + r.stderr
-    assert time.monotonic() - started < 120, "the restart waited for the dead worker's lease"
     assert "leased by uflash processes that are gone: taken over now" in r.stderr
     with db.session() as ss:
         doc = ss.scalar(select(Document))
         chunks = ss.scalars(select(Chunk)).all()
     assert doc.status == "done"
     assert [n for _, n in pages_in_db(db, doc.id)] == [1] * 4
-    assert max(c.attempts for c in chunks) == 2  # the killed chunk was redone once
+    assert max(c.attempts for c in chunks) == 2  # the killed chunks were redone once
     # The restart closed the killed watcher's run as crashed, and did not reuse it: its own run has the redone chunk.
     killed, restart = runs_in_db(db)
     assert (killed.end_reason, restart.end_reason) == ("crashed", "closed") and restart.finished_at is not None
     assert killed.finished_at is not None  # the time of its last stored page (or its start)
-    redone = next(c for c in chunks if c.attempts == 2)
-    assert redone.run_id == restart.id
-    assert {(doc.id, i) for i in redone.pages} <= set(pages_of_run(db, restart.id))
+    redone = [c for c in chunks if c.attempts == 2]
+    assert {c.id for c in redone} == {c.id for c in running} and all(c.run_id == restart.id for c in redone)
+    assert {(doc.id, i) for c in redone for i in c.pages} <= set(pages_of_run(db, restart.id))
+    with db.session() as ss:  # decoded again while the dead worker's leases still had minutes left
+        stored = max(p.created_at for p in ss.scalars(select(Page).where(Page.run_id == restart.id)))
+    stored = stored if stored.tzinfo else stored.replace(tzinfo=timezone.utc)
+    assert stored.timestamp() < min(c.lease_expires_at for c in running), "the restart waited for the dead leases"
     rep = json.loads(uflash("--config", str(cfg), "report", "--json", "--no-html").stdout)
     assert rep["run"]["id"] == restart.id
     assert sorted(p["index"] for d in rep["documents"] for p in d["pages"]) == \
@@ -537,7 +539,7 @@ def test_worker_says_once_whose_lease_it_waits_for(tmp_path, ledger_url):
         for _ in range(2):
             lease(expires)
             polls = iter(range(4))
-            worker.serve(threading.Event(), until=lambda: next(polls, None) is None)  # 4 idle polls
+            worker.serve(threading.Event(), until=lambda polls=polls: next(polls, None) is None)  # 4 idle polls
             lease(time.time() - 1)  # the lease ends: the next wait is a new one
             worker._log_leased()
     finally:
@@ -664,7 +666,7 @@ def test_a_long_running_watch_closes_a_run_and_writes_its_report_each_time_the_q
             assert proc.poll() is None, "".join(proc.lines)
             run = runs_in_db(db)[-1]
             assert run.finished_at is not None, "".join(proc.lines)
-            assert wait_until(lambda: (s.outbox / "reports" / f"run-{run.id}.html").exists(), 60)
+            assert wait_until(lambda run=run: (s.outbox / "reports" / f"run-{run.id}.html").exists(), 60)
             html = (s.outbox / "reports" / f"run-{run.id}.html").read_text(encoding="utf-8")
             assert f"{name}.pdf" in html and ("evening.pdf" not in html or name == "evening")
         proc.send_signal(signal.SIGTERM)
@@ -731,7 +733,7 @@ class RunawayDecoder:
         pass
 
     def decode(self, images, context_limit, max_new_tokens=None, **hints):
-        if max_new_tokens == OrientationConfig.probe_tokens:  # an orientation probe: reads nothing in particular
+        if max_new_tokens == OrientationSettings().probe_tokens:  # an orientation probe: reads nothing in particular
             self.probes += 1
             return assemble(_fake_result("<PAGE>probe", "length"), 1, hit_context=False)
         pages = [self.page_of[im.tobytes()] for im in images]
@@ -760,8 +762,9 @@ def test_a_runaway_page_goes_back_alone_and_its_neighbours_are_decoded_once(tmp_
     doc = intake_file(db, s, pdf).document_id
     decoder = RunawayDecoder(pdf, 6, runaway=3)
     serve_until_done(Worker(s, db, lambda: decoder), db)
-    # before: [3-6] again, then halves [3-4], [5-6], then [3], [4]: pages 4-6 decoded three times each
-    assert sorted(decoder.calls) == [[1, 2, 3, 4, 5, 6], [3], [4, 5, 6]]
+    # before: [3-6] again, then halves [3-4], [5-6], then [3], [4]: pages 4-6 decoded three times each. Page 5's
+    # scripted reading ("p5") is far shorter than its print: the checks catch it and it is read again alone, once
+    assert sorted(decoder.calls) == [[1, 2, 3, 4, 5, 6], [3], [4, 5, 6], [5]]
     assert decoder.probes == 3  # as it is, 90, 270: in the first chunk only
     assert [n for _, n in pages_in_db(db, doc)] == [1] * 6
     with db.session() as ss:

@@ -38,7 +38,6 @@ import pymupdf
 import torch
 from tqdm import tqdm
 
-
 WORDS = ("archive register record volume folio entry parish county deed survey estate witness clerk index "
          "census ledger account total balance payment year month date name place office number page").split()
 

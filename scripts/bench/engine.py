@@ -41,7 +41,6 @@ from pathlib import Path
 
 import torch
 
-
 PROMPT_IDS = {"single": [12, 345, 6789, 13], "multi": [4242, 77, 901, 2345, 13]}  # stand-ins for the prompts
 
 

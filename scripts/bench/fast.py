@@ -34,7 +34,6 @@ import threading
 import time
 from pathlib import Path
 
-
 from scripts.synth import HELD_OUT_LIMIT, make_document
 
 DEFAULT_SEED = 770_001  # held out: below HELD_OUT_LIMIT, never used for training
@@ -74,8 +73,8 @@ def write_documents(inbox: Path, n_pages: int, pages_per_doc: int, seed: int, sc
 def cer_to_labels(texts: dict, labels: dict) -> float:
     """Character error rate of a pass's pages against the generator's labels (markup stripped, whitespace
     collapsed): how close each pass is to the truth, not to the other pass."""
-    from scripts.train.demo_model import levenshtein
     from scripts.synth import strip_markup
+    from scripts.train.demo_model import levenshtein
 
     edits = chars = 0
     for (name, i), text in texts.items():
@@ -122,14 +121,10 @@ def decoder_factory(loaded, args: argparse.Namespace):
 
 def texts_and_sums(db, run_id: int) -> tuple[dict, dict]:
     """The run's page texts, and its chunks' decode seconds, output tokens, forwards and relaxed tokens summed."""
-    from sqlalchemy import select
+    from db.runs import run_chunk_stats, run_pages
 
-    from db.models import Chunk, Document, Page
-
-    with db.session() as s:
-        names = dict(s.execute(select(Document.id, Document.original_name)).all())
-        texts = {(names[p.document_id], p.page_index): p.text for p in s.scalars(select(Page).where(Page.run_id == run_id))}
-        stats = [c.stats or {} for c in s.scalars(select(Chunk).where(Chunk.run_id == run_id))]
+    texts = {(d.original_name, p.page_index): p.text for p, d in run_pages(db, run_id)}
+    stats = run_chunk_stats(db, run_id)
     sums = {"decode_s": sum(st.get("seconds", 0.0) for st in stats),
             **{key: sum(st.get(stat, 0) for st in stats) for key, stat in
                (("tokens", "output_tokens"), ("forwards", "forwards"), ("relaxed_tokens", "relaxed_tokens"))}}
@@ -140,9 +135,7 @@ def first_pass(folder: Path, args, mode: str, pdfs: list[Path], make_decoder, fa
     """A first run of ``pdfs`` in ``mode`` in a fresh ledger: (settings, db, run id, texts, seconds)."""
     import shutil
 
-    from sqlalchemy import func, select
-
-    from db.models import Document
+    from db.documents import unfinished_documents
     from db.session import Database
     from ingest.intake import intake_file
     from ingest.worker import Worker
@@ -155,8 +148,7 @@ def first_pass(folder: Path, args, mode: str, pdfs: list[Path], make_decoder, fa
     worker = Worker(s, db, lambda: decoder)
 
     def done() -> bool:
-        with db.session() as ss:
-            return ss.scalar(select(func.count()).select_from(Document).where(Document.status.not_in(["done", "failed"]))) == 0
+        return not unfinished_documents(db)
 
     t0 = time.perf_counter()
     worker.serve(threading.Event(), until=done)
@@ -189,7 +181,7 @@ def figures(r: dict, keys=("wall_s", "decode_s", "tokens", "forwards", "relaxed_
 
 def compare(threshold: float, lossless: dict, fast: dict, again: dict, keys: list, labels: dict) -> dict:
     """One fast pass and its lossless re-run against the first lossless pass."""
-    from engine.quality import normalized_edit_distance
+    from ingest.quality import normalized_edit_distance
 
     neds = [normalized_edit_distance(fast["texts"][k], lossless["texts"][k]) for k in keys]
     same = [again["texts"].get(k) == lossless["texts"][k] for k in keys]

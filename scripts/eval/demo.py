@@ -26,10 +26,9 @@ import sys
 import time
 from pathlib import Path
 
-
-from scripts.train.demo_model import levenshtein
 from scripts.synth import HELD_OUT_LIMIT, make_document, render_pages, strip_markup
 from scripts.synth.text import paragraph
+from scripts.train.demo_model import levenshtein
 
 RENDER_PX = 1024  # ingest/render.py DEFAULT_TARGET_PX (raised to the model's base size when that is larger)
 

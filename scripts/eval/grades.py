@@ -53,8 +53,8 @@ def graded_pages(docs: list[dict], alone: dict[str, dict], t, tokenizer, repair:
     document's grade (ingest.grading.grade_document); with its CER to the truth. A caught page without a reading
     alone is left as it was and marked ``"repair": {"kept": "no reading alone"}``."""
     from engine.chunk_decode import PageOutput
-    from engine.quality import edit_distance
     from ingest.grading import checks, grade_document, plain_text
+    from ingest.quality import edit_distance
     from ingest.repair import chunk_page_stats, repair_chunk
     from scripts.synth import strip_markup
 

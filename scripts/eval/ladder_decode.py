@@ -185,7 +185,7 @@ def decode_ladder(folder: Path, model: str, docs: int, seed0: int = SEED0, devic
     pool = mp.get_context("spawn").Pool(procs, initializer=_render_worker_init)
 
     from engine.chunk_decode import load_decoder
-    from engine.quality import Thresholds
+    from ingest.quality import Thresholds
 
     if decoder is None:
         decoder = load_decoder(model, device, dtype, mode=mode, max_batch=max_batch, max_pages_per_chunk=4)

@@ -19,10 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-
 from engine.chunk_decode import load_decoder
+from ingest.config import OrientationSettings
 from ingest.orientation import (
-    OrientationConfig,
     choose_turn,
     decoder_probe,
     ragged_edges,
@@ -88,14 +87,14 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", default="lossless")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--probe-tokens", type=int, default=OrientationConfig.probe_tokens)
-    ap.add_argument("--min-gain", type=float, default=OrientationConfig.min_gain)
+    ap.add_argument("--probe-tokens", type=int, default=OrientationSettings().probe_tokens)
+    ap.add_argument("--min-gain", type=float, default=OrientationSettings().min_gain)
     ap.add_argument("--samples", help="folder of real scans: report the stripe ratio of each page")
     ap.add_argument("--json", help="also write the record here")
     args = ap.parse_args(argv)
     from scripts.synth import make_document, render_pages
 
-    config = OrientationConfig(probe_tokens=args.probe_tokens, min_gain=args.min_gain)
+    config = OrientationSettings(probe_tokens=args.probe_tokens, min_gain=args.min_gain)
     decoder = load_decoder(args.model, args.device, args.dtype, args.mode)
     probe_s = []
     read = decoder_probe(decoder, 32_768, config.probe_tokens)

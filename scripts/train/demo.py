@@ -69,8 +69,8 @@ def build_or_resume(args, device):
             log("resumed weights", path=str(path))
             return model.to(device), tokenizer, size, {"vision_unfrozen": True}
         state = torch.load(path, map_location="cpu", weights_only=False)
-        from transformers import PreTrainedTokenizerFast, UnlimitedOcrConfig, UnlimitedOcrForConditionalGeneration
         from tokenizers import Tokenizer
+        from transformers import PreTrainedTokenizerFast, UnlimitedOcrConfig, UnlimitedOcrForConditionalGeneration
 
         tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(state["tokenizer"]), **state["tok_kw"])
         model = UnlimitedOcrForConditionalGeneration(UnlimitedOcrConfig.from_dict(state["config"]))

@@ -46,13 +46,11 @@ import tempfile
 import time
 from pathlib import Path
 
-
 import torch
 from tqdm import tqdm
 
 from engine.drafters.block import BlockDrafterConfig, BlockDrafterNet, block_loss, drafter_folder
-from engine.drafters.block_teacher import (label_features, make_examples, teacher_features,
-                                          training_windows)
+from engine.drafters.block_teacher import label_features, make_examples, teacher_features, training_windows
 from scripts.train.drafter_live_check import chunked, evaluate
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".tif", ".tiff"}

@@ -18,8 +18,7 @@ of its fp32 logits at each emitted position, before the no-repeat-ngram bans (th
 verify logits, the official path from generate's logits). A token is low-confidence when its probability
 is below ``Thresholds.low_confidence_prob``.
 
-This module knows nothing of the database or the config file; the thresholds come in as a dataclass
-(filled from the ``[quality]`` section of config.toml by the ingest side).
+The thresholds are ``ingest.config.Thresholds`` (the ``[quality]`` section of config.toml).
 """
 
 from __future__ import annotations
@@ -27,42 +26,12 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Hashable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
+from ingest.config import Thresholds
+
 GRADES = ("good", "fair", "poor")
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """The ``[quality]`` section of config.toml: the parameters of the figures computed here, and the thresholds
-    of the grade (``ingest.grading``: a page is *poor* when any poor rule fires, *fair* when any fair rule fires,
-    else *good*; rules whose figure is missing do not fire). The grading thresholds were chosen on a labelled
-    ladder against the truth (docs/grades.md)."""
-
-    distinct_20_poor: float = 0.80  # Distinct-20 below this: poor (repetition)
-    distinct_20_fair: float = 0.95
-    mean_logprob_poor: float = -0.15  # mean log-probability of the emitted tokens below this: poor
-    mean_logprob_fair: float = -0.08
-    unsure_word_prob: float = 0.5  # a word whose confidence is below this is one the model was unsure of ...
-    unsure_words_poor: float = 0.25  # ... and a share of such words above this: poor
-    unsure_words_fair: float = 0.10
-    ink_min_chars: int = 40  # compare the text with the print on the page when either has at least this many chars
-    ink_short: float = 0.4  # characters read / characters of print measured on the page below this: poor
-    ink_long: float = 2.5  # ... above this: poor
-    ink_short_fair: float = 0.6
-    ink_long_fair: float = 2.0
-    repeat_share: float = 0.5  # a page whose character 8-grams are this much on another page repeats it ...
-    repeat_min_chars: int = 40  # ... when it has at least this many characters
-    low_confidence_prob: float = 0.5  # a token whose probability is below this is low-confidence (a figure)
-    text_layer_min_chars: int = 20  # compare with the text layer only when it has at least this many chars
-    neighbour_low: float = 0.25  # characters / median of the neighbours' below this (or above high): fair
-    neighbour_high: float = 4.0
-    neighbour_min_chars: int = 200  # ... only when the neighbours' median has at least this many chars
-    loop_min_repeats: int = 3  # a looping tail repeats its unit at least this often
-    loop_min_tokens: int = 32  # ... and covers at least this many tokens
-    loop_tail_tokens: int = 200  # or: the last this many tokens (a near-loop under the no-repeat rule) ...
-    loop_tail_distinct: float = 0.5  # ... have Distinct-10 below this
 
 
 def distinct_n(ids: Sequence[Hashable], n: int) -> float | None:

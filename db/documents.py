@@ -1,0 +1,171 @@
+"""Documents in the ledger: created with their chunks, and the one place their status changes.
+
+A document's status follows its chunks: ``queued`` until a chunk of it is claimed (``mark_running``), ``running``
+while any chunk is pending, ``failed`` when a chunk failed and nothing is pending (``settle``; the chunks' reasons
+become the document's error), and ``done`` once its outputs are written (``finish_document``). A document whose
+chunks are all done (or split into chunks that are) but that is not finished yet is *ready*: the worker writes its
+outputs. ``fail_document`` records a document that could not be finished (its outputs or its archiving failed), and
+``retry_failed`` gives a failed one another try.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+
+from sqlalchemy import Connection, func, select, update
+from sqlalchemy.exc import IntegrityError
+
+from db.models import Chunk, ChunkStatus, DocStatus, Document
+from db.session import Database, among
+
+D = Document.__table__
+C = Chunk.__table__
+WAITING = (DocStatus.QUEUED, DocStatus.RUNNING)
+PENDING = (ChunkStatus.QUEUED, ChunkStatus.RUNNING)
+
+
+def mark_running(conn: Connection, doc_id: int) -> None:
+    """A chunk of the document was claimed: a queued document is running from now on."""
+    conn.execute(update(D).where(D.c.id == doc_id, D.c.status == DocStatus.QUEUED).values(status=DocStatus.RUNNING))
+
+
+def settle(conn: Connection, doc_id: int) -> bool:
+    """Derive the document's status from its chunks, inside the caller's transaction. True when it is ready to be
+    finished (every chunk done or split, the document not finished yet). A document with a failed chunk and nothing
+    pending is failed, with the chunks' reasons."""
+    rows = conn.execute(select(C.c.status, C.c.first_page, C.c.last_page, C.c.last_error)
+                        .where(C.c.document_id == doc_id)).all()
+    if any(r.status in PENDING for r in rows):
+        return False
+    failed = [r for r in rows if r.status == ChunkStatus.FAILED]
+    if failed:
+        reason = "; ".join(f"pages {r.first_page}-{r.last_page}: {r.last_error}" for r in failed)
+        conn.execute(update(D).where(D.c.id == doc_id).values(status=DocStatus.FAILED, error=reason[:4000]))
+        return False
+    return True
+
+
+def ready_to_finish(db: Database, doc_id: int) -> bool:
+    """``settle`` in a transaction of its own."""
+    with db.engine.begin() as conn:
+        return settle(conn, doc_id)
+
+
+def get_document(db: Database, doc_id: int) -> Document | None:
+    with db.session() as s:
+        return s.get(Document, doc_id)
+
+
+def document_by_sha(db: Database, sha256: str) -> Document | None:
+    with db.session() as s:
+        return s.scalar(select(Document).where(Document.sha256 == sha256))
+
+
+def document_of_file(db: Database, path: Path, size: int, mtime_ns: int) -> int | None:
+    """The id of the document this very file (path, size, mtime) already is, while it waits in place."""
+    with db.session() as s:
+        return s.scalar(select(Document.id).where(
+            Document.original_path == str(path), Document.size_bytes == size, Document.mtime_ns == mtime_ns,
+            Document.archived_path.is_(None)))
+
+
+def original_of(path: Path, size: int, mtime_ns: int) -> dict:
+    """The columns that say where a document's original is and which file it was."""
+    return dict(original_path=str(path), original_name=path.name, size_bytes=size, mtime_ns=mtime_ns)
+
+
+def create_document(db: Database, original: dict, sha256: str, kind: str, page_count: int,
+                    ranges: Sequence[tuple[int, int]]) -> int | None:
+    """A new queued document with one queued chunk per page range, in one transaction; None when a document of that
+    content was recorded meanwhile (by another intake process)."""
+    try:
+        with db.engine.begin() as conn:
+            doc_id = conn.execute(D.insert().values(**original, sha256=sha256, kind=kind, page_count=page_count,
+                                                    status=DocStatus.QUEUED).returning(D.c.id)).scalar_one()
+            conn.execute(C.insert(), [dict(document_id=doc_id, first_page=a, last_page=b) for a, b in ranges])
+    except IntegrityError:
+        return None
+    return doc_id
+
+
+def retry_failed(db: Database, doc_id: int, original: dict | None = None) -> int | None:
+    """Give a failed document another try: its failed chunks go back to the queue with their attempts reset, and the
+    document is queued again (``original``: the file that is its original from now on). Done chunks and their pages
+    stay as they are. A failed chunk that was reserved for a re-run is freed for any worker (that run has ended, and
+    nothing else would ever claim it). Returns how many chunks were re-queued; None when the document was no longer
+    failed (another intake re-queued it a moment ago)."""
+    with db.engine.begin() as conn:
+        res = conn.execute(update(D).where(D.c.id == doc_id, D.c.status == DocStatus.FAILED).values(
+            **(original or {}), archived_path=None if original else D.c.archived_path, status=DocStatus.QUEUED,
+            error=None))
+        if res.rowcount != 1:
+            return None
+        return conn.execute(update(C).where(C.c.document_id == doc_id, C.c.status == ChunkStatus.FAILED).values(
+            status=ChunkStatus.QUEUED, attempts=0, next_attempt_at=0.0, last_error=None, run_id=None)).rowcount
+
+
+def adopt_path(db: Database, doc: Document, original: dict) -> bool:
+    """A waiting document's file found at a new path (renamed or moved): that file is its original from now on.
+    False when another intake adopted another path first."""
+    with db.engine.begin() as conn:
+        return conn.execute(update(D).where(D.c.id == doc.id, D.c.original_path == doc.original_path,
+                                            D.c.archived_path.is_(None)).values(**original)).rowcount == 1
+
+
+def note_file_stamp(db: Database, doc_id: int, size: int, mtime_ns: int) -> None:
+    """The document's file was touched in place (same content): remember its new size and mtime."""
+    with db.engine.begin() as conn:
+        conn.execute(update(D).where(D.c.id == doc_id).values(size_bytes=size, mtime_ns=mtime_ns))
+
+
+def finish_document(db: Database, doc_id: int, output_dir: Path, archived: Path | None, error: str | None) -> None:
+    """The document's outputs are written (into ``output_dir``) and its original archived: it is done."""
+    with db.engine.begin() as conn:
+        conn.execute(update(D).where(D.c.id == doc_id).values(
+            status=DocStatus.DONE, archived_path=str(archived) if archived else None, error=error,
+            output_dir=str(output_dir), completed_at=datetime.now(timezone.utc)))
+
+
+def fail_document(db: Database, doc_id: int, reason: str, output_dir: Path | None = None) -> None:
+    """The document could not be finished (its pages stay in the ledger): failed with ``reason``."""
+    values: dict = dict(status=DocStatus.FAILED, error=reason[:4000])
+    if output_dir is not None:
+        values["output_dir"] = str(output_dir)
+    with db.engine.begin() as conn:
+        conn.execute(update(D).where(D.c.id == doc_id).values(**values))
+
+
+def documents(db: Database, ids: Collection[int]) -> list[Document]:
+    with db.session() as s:
+        return list(s.scalars(select(Document).where(among(Document.id, ids)).order_by(Document.id)))
+
+
+def unfinished_documents(db: Database, ids: Collection[int] | None = None) -> list[int]:
+    """Queued or running documents (of ``ids``, when given), by id."""
+    with db.session() as s:
+        query = select(Document.id).where(Document.status.in_(WAITING)).order_by(Document.id)
+        if ids is not None:
+            query = query.where(among(Document.id, ids))
+        return list(s.scalars(query))
+
+
+def waiting_documents(db: Database, exclude: Collection[int] = ()) -> tuple[list[int], int]:
+    """Documents waiting in the ledger (queued or running), apart from ``exclude``, and how many chunks they
+    still have to decode (not counting chunks reserved for a re-run)."""
+    skip = set(exclude)
+    ids = [i for i in unfinished_documents(db) if i not in skip]
+    if not ids:
+        return [], 0
+    with db.session() as s:
+        chunks = s.scalar(select(func.count()).select_from(Chunk).where(
+            among(Chunk.document_id, ids), Chunk.status.in_(PENDING), Chunk.run_id.is_(None)))
+    return ids, chunks
+
+
+def pending_pages(db: Database, doc_ids: Collection[int]) -> int:
+    """Pages still to decode in these documents (their queued and running chunks, not reserved for a re-run)."""
+    with db.session() as s:
+        return int(s.scalar(select(func.coalesce(func.sum(Chunk.last_page - Chunk.first_page + 1), 0)).where(
+            among(Chunk.document_id, doc_ids), Chunk.status.in_(PENDING), Chunk.run_id.is_(None))) or 0)

@@ -1,0 +1,48 @@
+"""Files that did not become documents: rejected files (with their reason) and duplicates of a document's content.
+
+Each is recorded together with putting the file where it goes (``place``: moved out of the inbox, or copied), in one
+transaction: the ledger goes first, so when it cannot take the record (unreachable, locked, full) the file stays
+where it is, untouched; when placing the file or the commit fails, the record is not kept and ``undo`` puts the file
+back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+
+from db.models import Duplicate, Rejected
+from db.session import Database
+
+
+def record_rejected(db: Database, place: Callable[[], Path | None], undo: Callable[[Path | None], None],
+                    **values) -> Path | None:
+    """A rejected file (``Rejected`` columns: path, name, sha256, size_bytes, reason) recorded and placed; returns
+    where it went."""
+    return _record_and_place(db, Rejected(**values), place, undo)
+
+
+def record_duplicate(db: Database, place: Callable[[], Path | None], undo: Callable[[Path | None], None],
+                     **values) -> Path | None:
+    """A duplicate of document ``document_id`` (``Duplicate`` columns) recorded and placed; returns where it went."""
+    return _record_and_place(db, Duplicate(**values), place, undo)
+
+
+def _record_and_place(db: Database, row: Rejected | Duplicate, place: Callable[[], Path | None],
+                      undo: Callable[[Path | None], None]) -> Path | None:
+    with db.session() as s:
+        s.begin()
+        s.add(row)
+        s.flush()
+        dest = None
+        try:
+            dest = place()
+            row.moved_to = str(dest) if dest else None
+            s.commit()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                s.rollback()
+            undo(dest)
+            raise
+        return dest

@@ -1,0 +1,61 @@
+"""Stored pages. Pages are never overwritten: every decode of a page is a row of its run, and what a document shows is
+the **latest** version of each of its pages (``latest_pages``, the one query that decides it: the highest id per
+document and page index)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from sqlalchemy import ColumnElement, func, select, update
+
+from db.models import DocStatus, Document, Page
+from db.session import Database, among
+
+
+def _latest_ids(*where: ColumnElement):
+    """The ids of the latest version of each page among the pages matching ``where``."""
+    return select(func.max(Page.id)).where(*where).group_by(Page.document_id, Page.page_index)
+
+
+def latest_pages(db: Database, doc_id: int | None = None, first: int | None = None, last: int | None = None,
+                 not_of_chunk: int | None = None) -> list[Page]:
+    """The latest stored version of every page (the one the document outputs show), by document and page index; of
+    one document, of its pages ``first``..``last``, and leaving out the pages of chunk ``not_of_chunk``, as asked."""
+    where = []
+    if doc_id is not None:
+        where.append(Page.document_id == doc_id)
+    if first is not None and last is not None:
+        where.append(Page.page_index.between(first, last))
+    if not_of_chunk is not None:
+        where.append(Page.chunk_id != not_of_chunk)
+    with db.session() as s:
+        return list(s.scalars(select(Page).where(Page.id.in_(_latest_ids(*where)))
+                              .order_by(Page.document_id, Page.page_index)))
+
+
+def earlier_texts(db: Database, doc_id: int, first: int, last: int, chunk_id: int) -> dict[int, str]:
+    """Page index -> the latest text of pages ``first``..``last`` stored by another chunk than ``chunk_id`` (a re-run's
+    reference draft)."""
+    return {p.page_index: p.text for p in latest_pages(db, doc_id, first, last, not_of_chunk=chunk_id)}
+
+
+def set_page_stats(db: Database, stats: Mapping[int, dict[str, Any]]) -> None:
+    """Replace the stats of the pages ``stats`` names (page id -> stats)."""
+    P = Page.__table__
+    with db.engine.begin() as conn:
+        for page_id, value in stats.items():
+            conn.execute(update(P).where(P.c.id == page_id).values(stats=value))
+
+
+def pages_of_run(db: Database, run_id: int) -> list[Page]:
+    with db.session() as s:
+        return list(s.scalars(select(Page).where(Page.run_id == run_id).order_by(Page.document_id, Page.page_index)))
+
+
+def done_documents_with_pages_of_run(db: Database, run_id: int, doc_ids: Collection[int]) -> list[int]:
+    """Of ``doc_ids``, the finished documents that run ``run_id`` stored pages of."""
+    with db.session() as s:
+        return list(s.scalars(select(Page.document_id).where(Page.run_id == run_id, among(Page.document_id, doc_ids))
+                              .join(Document, Document.id == Page.document_id)
+                              .where(Document.status == DocStatus.DONE).distinct().order_by(Page.document_id)))
