@@ -50,7 +50,9 @@ def config_text(args, max_batch: str, mode: str) -> str:
         'logs = "logs"', "[database]", 'url = "sqlite:///uflash.db"', "[model]", f'path = "{Path(args.model).resolve()}"',
         f'device = "{args.device}"', f'dtype = "{args.dtype}"', "[engine]", f'mode = "{mode}"',
         f"max_batch = {batch}", f"max_pages_per_chunk = {args.chunk_pages}",
-        f"max_tokens_per_page = {args.max_tokens_per_page}", ""])
+        f"max_tokens_per_page = {args.max_tokens_per_page}",
+        *(["[outputs]", "formats = [" + ", ".join(f'"{f}"' for f in args.formats.split(",")) + "]"] if args.formats
+          else []), ""])
 
 
 def one_setting(args, documents: list[Path], max_batch: str, mode: str, work: Path) -> dict:
@@ -106,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--chunk-pages", type=int, default=4)
     ap.add_argument("--max-tokens-per-page", type=int, default=1500)
+    ap.add_argument("--formats", default="", help="[outputs] formats (default: the config's own)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
