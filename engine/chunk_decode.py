@@ -8,7 +8,7 @@ The decoder runs one pass over the chunk's pages and hands back the pages it can
   and the rest asked to be re-queued (the worker sends the page the output was cut on back alone, and the
   pages after it as a chunk of their own).
 A single page always yields exactly one page; cut at the limit, its finish reason says so.
-Each kept page carries its own token ids and their log-probabilities (for ``engine.quality``): the output
+Each kept page carries its own token ids and their log-probabilities (for ``ingest.quality``): the output
 split at the page separator token (separator and EOS left out), or, when the separator is not one token,
 a share of the output proportional to the page's text.
 """
@@ -384,7 +384,7 @@ def default_kernels(loaded: LoadedModel) -> str:
 
 
 def load_block_drafter(loaded):
-    """The checkpoint's own block drafter (``<model folder>/drafter``, `scripts/train_drafter.py`), or None when
+    """The checkpoint's own block drafter (``<model folder>/drafter``, ``python -m scripts.train.drafter``), or None when
     it has none. One that does not fit the model is refused with a warning, and decoding goes on without it."""
     from engine.drafters.block import CONFIG_FILE, BlockDrafterNet, drafter_folder
 

@@ -1,10 +1,9 @@
 """Small linears written as batched matrix-vector products, for decode steps on a GPU.
 
 ``batched_gemv(linear, x)`` equals ``linear(x)``: one GEMV per row of ``x``, batched (matmul of the weight
-[1, out, in] with the rows [T, in, 1]). Why: in fp32 on an H200 cuBLAS picks a ~31 us ``xmma_gemm_f32f32``
-kernel for [8-9, 384] x [384, 384] where width 4 takes ~7 us and the batched GEMV ~3 us at every width 1-17
-(docs/results/profile_linear_h200_2026-12-04.json). Each row is computed as a
-single-token step computes it.
+[1, out, in] with the rows [T, in, 1]). Why: in fp32 on CUDA cuBLAS may pick a GEMM kernel for a few rows
+that costs several times the same rows as GEMVs; a batched GEMV costs about the same at every width. Each row is
+computed as a single-token step computes it.
 
 ``with_gemv_linears(module)`` is a copy of a module tree whose ``nn.Linear`` children run ``batched_gemv``; it
 shares every parameter with the original (nothing is copied but the module objects).

@@ -14,7 +14,7 @@ weight * down(act(gate(x)) * up(x)). Shapes depend on T only, never on the routi
   matrix-vector products. Bytes ~3x the routed weights: cheap for T = 1-2, ruinous for T = 16 (~100 pairs).
 - ``auto``: ``grouped`` on the CPU and on CUDA in bf16, ``gather`` otherwise (fp32 on CUDA).
 - ``mixed``: ``gather`` for steps of at most ``MIXED_GATHER_MAX_TOKENS`` tokens (single-token decode, where
-  it measured fastest on the H200), and for wider verify steps ``grouped`` where its kernel exists (CPU;
+  copying a few experts' weights is cheapest), and for wider verify steps ``grouped`` where its kernel exists (CPU;
   CUDA in bf16), else ``dense`` (fp32 on CUDA). The choice depends on the step's static width, device and
   dtype only, so each captured graph holds one implementation.
 - ``dense``: every expert on every token, weights zero for experts not routed. Reads all E experts'

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# What a call to the GPU machine needs beside the tree, built into .dev/ (ignored through .git/info/exclude), for
-# its Python 3.12 image (torch, triton, Pillow, psutil present; transformers too old for Unlimited-OCR):
+# What an offline GPU machine needs beside the tree, built into .dev/ (ignored through .git/info/exclude), for a
+# Python 3.12 image with torch, triton, Pillow and psutil but a transformers too old for Unlimited-OCR:
 #   site_core.tar.xz  transformers 5.24 cut to the model folders Unlimited-OCR imports, loguru, sqlalchemy, pydantic,
 #                     pydantic-settings, watchdog, pytest (~6 MB)
 #   site_pdf.tar.xz   pymupdf, for calls that render PDFs (the pipeline) (~18 MB)
 #   demo.tar.xz       models/demo with its drafter stored in bf16 for the trip (the engine casts it to the model's
 #                     dtype anyway) (~33 MB)
-# The tree travels with a 64 MiB limit and models/demo alone is 51 MiB: a call moves models/demo out of the tree
-# first and carries .dev (the recipe is printed at the end).
+# When the tree may be copied there only up to 64 MiB (models/demo alone is 51 MiB), move models/demo out of the
+# tree first and copy .dev with it (the recipe is printed at the end).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.dev/' .git/info/exclude 2>/dev/null || echo '/.dev/' >> .git/info/exclude
@@ -49,8 +49,8 @@ PY
 fi
 du -ch .dev/*.tar.xz | tail -n 1
 cat <<'RECIPE'
-Per call: here `mv models/demo /tmp/demo_hold` (back afterwards: `mv /tmp/demo_hold models/demo`), then run with
-carry [".dev"] and a command that starts:
+Each time: here `mv models/demo /tmp/demo_hold` (back afterwards: `mv /tmp/demo_hold models/demo`), copy the tree
+with .dev to the GPU machine, and start the command there with:
   mkdir -p /tmp/site models/demo && tar -xJf .dev/site_core.tar.xz -C /tmp/site &&
   tar -xJf .dev/site_pdf.tar.xz -C /tmp/site && tar -xJf .dev/demo.tar.xz -C models/demo &&
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && ...

@@ -104,7 +104,7 @@ def sentence_page(text: str):
 
 
 def test_demo_model_reads_sentences_the_test_chooses(demo):
-    """Issue 4: a page rendered from a sentence this test chooses (plain English, mostly words the generator's word
+    """A page rendered from a sentence this test chooses (plain English, mostly words the generator's word
     list lacks) comes back in the page's Markdown, CER <= 5% (and each of six such sentences at <= 10%, mean <= 5%).
     Decoded the way uflash decodes (lossless engine, token-identical to official)."""
     from engine.batch_engine import BatchEngine

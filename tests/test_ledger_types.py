@@ -107,7 +107,7 @@ def test_a_version_2_ledger_is_migrated_to_64_bit_sizes_and_mtimes(settings, db)
     _as_version_2(db)
     pdf = make_pdf(settings.inbox / "new.pdf", 1)
     os.utime(pdf, ns=(MTIME_NS, MTIME_NS))
-    if db.dialect == "postgresql":  # what the issue saw: integer out of range
+    if db.dialect == "postgresql":  # an INTEGER column refuses a nanosecond mtime: integer out of range
         with pytest.raises(Exception, match="out of range"):
             intake_file(db, settings, pdf)
     url = db.url

@@ -1,6 +1,6 @@
 """Train the demo Unlimited-OCR model from scratch on synthetic documents (one GPU, a fixed time budget).
 
-    python -m scripts.train.demo --out models/demo --minutes 8          # GPU run (see docs/demo_model_training.md)
+    python -m scripts.train.demo --out models/demo --minutes 8          # GPU run (see docs/demo_model.md)
     python -m scripts.train.demo --overfit-test                         # CPU: 8 word images must be read
     python -m scripts.train.demo --check-rswa                           # R-SWA scoring == generate()
     python -m scripts.train.demo --preset tiny --minutes 1 --out /tmp/d --align 1:2:here,2:2:next  # CPU smoke run
@@ -9,7 +9,7 @@ Recipe (DESIGN section 3): the vision tower is initialised normally (not SAM's 1
 its random init for the first `--freeze-frac` of the time (default 10%) while the decoder and projector learn to
 read its features; then it trains at `--vision-lr-ratio` times the decoder's rate (default 0.3; DESIGN used 0.1).
 Auxiliary "which character is where" losses on the SAM patches and the vision tokens (`--aux-weight`, not saved
-with the model) give the tower a direct signal (docs/demo_model_training.md says why). Samples are 1 page
+with the model) give the tower a direct signal (docs/demo_model.md says why). Samples are 1 page
 (`document parsing.`) or 2-4
 pages (`Multi page parsing.`, `<PAGE>` before each page), scored with the R-SWA mask (prefix global, output
 window 128). DataLoader workers render pages on the fly from training seeds (>= 1,000,000); held-out seeds
@@ -97,7 +97,7 @@ def vision_params(model):
 
 def raise_open_file_limit() -> None:
     """DataLoader workers pass every page through shared memory, one file descriptor each while in flight: with
-    the usual soft limit of 1,024 the workers died after a minute ("Too many open files") on the CPU box. Raise the
+    the usual soft limit of 1,024 the workers can die within a minute ("Too many open files"). Raise the
     soft limit to the hard one, and share through the file system if that is still low."""
     try:
         import resource

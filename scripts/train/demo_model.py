@@ -286,10 +286,9 @@ class AlignLoss(torch.nn.Module):
     later layers then only has to step from there (the vision tokens say their own row and column, see
     `AuxHeads.position_loss`).
 
-    Why: the GPU run with the auxiliary character heads ended with vision tokens that encode the characters
-    (auxiliary loss 2.0 -> 0.23) while the decoder still did not read (word-token accuracy ~14%, markup
-    ~71%); its attention on the right vision token sat at the uniform level (1/273) in every layer and head.
-    Learning where to look from the language loss alone is the slow part; this loss teaches it directly
+    Why: trained with the auxiliary character heads alone, the vision tokens came to encode the characters while
+    the decoder still did not read: its attention on the right vision token stayed at the uniform level in every
+    layer and head. Learning where to look from the language loss alone is the slow part; this loss teaches it directly
     (guided attention, as used to speed up alignment in sequence-to-sequence speech models).
 
     The logits are recomputed from the layer input captured by a pre-hook (same q/k projections and RoPE as

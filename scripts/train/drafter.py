@@ -6,10 +6,7 @@
     python -m scripts.train.drafter --model models/demo --init models/demo/drafter --page-seed 1100000 --lr 5e-4
     python -m scripts.train.drafter --model models/demo --eval-only --eval-pages 30   # live check of <model>/drafter
 
-How models/demo/drafter was made (one H200): 4 minutes on 2,500 label pages, then 3.5 minutes more
-from it (`--init`) on 2,000 new ones (`--page-seed 1100000 --lr 5e-4`), then 3 minutes more on 2,000 new pages
-as chunks of 1-4 pages (`--page-seed 1200000 --multi-frac 0.5 --multi-pages 4 --lr 5e-4`); all with `--workers 15
---batch 512 --anchors 16`; docs/benchmarks.md has the figures.
+How models/demo/drafter was made, and its figures: docs/drafter_training.md.
 
 1. Pages: your own (`--images DIR`: PDFs, TIFFs, PNGs, JPEGs, rendered as uflash renders them) or synthetic
    image-only pages (`scripts.synth`, scan effects, training seeds >= 1,000,000; `--workers` render them).
@@ -21,7 +18,7 @@ as chunks of 1-4 pages (`--page-seed 1200000 --multi-frac 0.5 --multi-pages 4 --
    target's greedy choice at each position; blocks are cut where the label leaves the greedy path. No decode:
    many times more pages a minute. `--multi-frac F` makes a share F of the sequences (either kind of data)
    chunks of 2 to `--multi-pages` consecutive pages (the multi-page prompt uflash decodes; a drafter trained on
-   single pages only drafts far worse there: tau 1.76 against 3.06 on the same page alone).
+   single pages only drafts far worse there).
 3. Training: random anchors t; from the features of the C inputs before o_t, the embedding of o_t and (with
    `--memory`, the default) the prompt's features, predict o_{t+1} .. o_{t+k}; cross-entropy weighted towards early
    block positions; AdamW, cosine schedule. Each batch takes `--anchors` anchors from each of its pages.
