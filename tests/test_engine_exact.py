@@ -164,7 +164,9 @@ def test_decode_returns_chunk_output_with_stats(models, official):
     assert stats["drafters"]["replay"]["acceptance"] == 1.0 and set(stats["drafters"]) == {"reference", "replay",
                                                                                            "markup", "ngram"}
     assert stats["tau"] == stats["accepted_tokens"] / stats["verify_rounds"] > 4
-    assert stats["prefill_s"] > 0 and stats["verify_s"] > 0 and stats["batch_rows"] == 1.0
+    steps = stats["draft_s"] + stats["verify_s"] + stats["single_s"]
+    assert stats["prefill_s"] > 0 and 0 < stats["verify_s"] <= steps <= stats["wall_seconds"] + 1e-3  # parts of it
+    assert stats["batch_rows"] == 1.0
     single = dec.decode(_pages(1), context_limit=32768, max_new_tokens=40)
     page = single.pages[0]  # one page: the chunk's counts are the page's
     assert page.stats["tokens"] == 40 and page.stats["batch_rows"] == 1.0 and page.stats["mode"] == "lossless"
@@ -176,6 +178,21 @@ def test_decode_returns_chunk_output_with_stats(models, official):
     assert cut.finish_reason == "context_limit" and cut.output_ids == expected[:26]
     assert dec.decode(pages, context_limit=prompt + 10).finish_reason == "no_room"
     assert dec.describe()["mode"] == "lossless"
+
+
+@pytest.mark.xfail(strict=True, reason="a chunk's seconds start when its row is made, after its admission's vision "
+                   "and prefill, although ChunkResult.seconds says they are included")
+def test_a_chunks_seconds_include_its_admission(models):
+    """The vision and prefill of a chunk's admission (made 2 s slow here) are part of its seconds (and so of its
+    tokens per second)."""
+    import time
+
+    engine = BatchEngine(models[8], "plain")
+    real = engine.forward.prefill
+    engine.forward.prefill = lambda *args, **kw: (time.sleep(2.0), real(*args, **kw))[1]
+    out = EngineDecoder(engine).decode(_pages(1), context_limit=32768, max_new_tokens=5)
+    assert out.chunk_stats["prefill_s"] >= 2.0
+    assert out.chunk_stats["wall_seconds"] >= out.chunk_stats["prefill_s"]
 
 
 def test_load_decoder_modes(models):
