@@ -212,9 +212,15 @@ def test_load_decoder_modes(models):
 def test_cache_memory_is_constant_in_output_length(models):
     # the looping model: its ngram drafts are often right, so 5,000 tokens take far fewer forwards
     engine = BatchEngine(models["loop"], "lossless", drafters=("ngram",))
-    short = engine.run([engine.prepare(_pages(1), 500)])[0].stats
-    long = engine.run([engine.prepare(_pages(1), 5000)])[0].stats
+    short_run = engine.run([engine.prepare(_pages(1), 500)])[0]
+    long_run = engine.run([engine.prepare(_pages(1), 5000)])[0]
+    short, long = short_run.stats, long_run.stats
     assert (short["tokens"], long["tokens"]) == (500, 5000)
+    assert long_run.output_ids[:500] == short_run.output_ids  # greedy: the same start, nothing left from the last run
+    rule = NoRepeatNgramRule(35, 128, long_run.request.prompt_ids)
+    for i, token in enumerate(long_run.output_ids):  # and the official rule obeyed all the way
+        assert token not in rule.banned(), i
+        rule.extend([token])
     assert short["cache_bytes"] == long["cache_bytes"] == engine.kv.bytes_per_row()
     assert long["ring_slots"] == 32  # window 8 + widest step 17 - 1, rounded up to 16
     assert long["verify_rounds"] > 100 and long["accepted_tokens"] > 1000  # the ring wrapped under speculation
