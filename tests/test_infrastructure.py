@@ -24,12 +24,15 @@ def test_ledger_and_machine_errors_are_told_apart_from_file_errors():
     locked = OperationalError("INSERT ...", {}, sqlite3.OperationalError("database is locked"))
     assert infrastructure_problem(locked) == "the ledger failed: OperationalError: database is locked"
     assert "out of range" in infrastructure_problem(DataError("SELECT", {}, Exception("integer out of range")))
-    assert infrastructure_problem(InterfaceError("SELECT", {}, Exception("connection already closed")))
-    assert infrastructure_problem(IntegrityError("INSERT", {}, Exception("duplicate key")))  # the ledger's, not the file's
-    assert infrastructure_problem(sqlite3.OperationalError("disk I/O error"))  # a driver error SQLAlchemy did not wrap
+    assert infrastructure_problem(InterfaceError("SELECT", {}, Exception("connection already closed"))) == \
+        "the ledger failed: Exception: connection already closed"
+    assert infrastructure_problem(IntegrityError("INSERT", {}, Exception("duplicate key"))) == \
+        "the ledger failed: Exception: duplicate key"  # the ledger's, not the file's
+    assert infrastructure_problem(sqlite3.OperationalError("disk I/O error")) == \
+        "the ledger failed: OperationalError: disk I/O error"  # a driver error SQLAlchemy did not wrap
     full = OSError(errno.ENOSPC, "No space left on device", "/var/uflash/outbox/x/document.pdf")
     assert infrastructure_problem(full) == "the machine failed: No space left on device (/var/uflash/outbox/x/document.pdf)"
-    assert infrastructure_problem(OSError(errno.EIO, "Input/output error"))
+    assert infrastructure_problem(OSError(errno.EIO, "Input/output error")) == "the machine failed: Input/output error"
     for the_files in (InputRejected("not a PDF"), FileNotFoundError(errno.ENOENT, "gone"),
                       PermissionError(errno.EACCES, "denied"), ValueError("cannot parse"), RuntimeError("mupdf"),
                       MemoryError()):
