@@ -100,8 +100,9 @@ def test_killed_lease_holder_chunk_is_taken_over(any_db, tmp_path):
         assert int(rec[2]) == 2  # second attempt
         assert float(rec[3]) >= killed_at  # not before the holder died
     finally:
-        b.kill()
-        b.wait()
+        for proc in (a, b):  # the holder too, when an assertion failed before its kill
+            proc.kill()
+            proc.wait()
     with db.session() as s:
         c = s.scalars(select(Chunk)).one()
     assert c.status == ChunkStatus.DONE and c.attempts == 2
