@@ -80,11 +80,11 @@ def test_killed_lease_holder_chunk_is_taken_over(any_db, tmp_path):
     add_document(db, 1)
     lease = 3.0  # the holder beats every lease / 12: a beat may come 2.7 s late on a busy machine
     a_log, b_log = tmp_path / "a.log", tmp_path / "b.log"
-    a = start_claimer(db, "holder", a_log, "hold", lease)
-    assert wait_for(lambda: any(r[0] == "claimed" for r in read_log(a_log)), timeout=120)
-    first_expiry = lease_expiry(db)
-    b = start_claimer(db, "rescuer", b_log, "drain", lease, idle=120)
+    a = b = start_claimer(db, "holder", a_log, "hold", lease)
     try:
+        assert wait_for(lambda: any(r[0] == "claimed" for r in read_log(a_log)), timeout=120)
+        first_expiry = lease_expiry(db)
+        b = start_claimer(db, "rescuer", b_log, "drain", lease, idle=120)
         # While the holder lives its heartbeat keeps the lease: the rescuer, polling every 0.05 s from well before
         # the first term ran out until well after, gets nothing.
         assert wait_for(lambda: any(r[0] == "ready" for r in read_log(b_log)), timeout=120)
