@@ -122,12 +122,14 @@ def test_restart_does_not_record_files_twice(tmp_path, ledger_url):
     for i in range(5):
         make_pdf(settings.inbox / f"d{i}.pdf", [f"text {i}"])
     db = Database(settings.database_url)
-    for _ in range(2):  # the second start finds the same files still queued in the inbox
+    for start in range(2):  # the second start finds the same files still queued in the inbox
         proc = start_watch(cfg)
         assert wait_until(lambda: counts(db)[0] == 5, timeout=60)
-        time.sleep(1.5)
+        if start == 1:  # a file dropped now is taken after the 5 it found at its start: once it is in, they were seen
+            make_pdf(settings.inbox / "later.pdf", ["later text"])
+            assert wait_until(lambda: counts(db)[0] == 6, timeout=60), counts(db)
         stop(proc)
-    assert counts(db) == (5, 0, 0)
+    assert counts(db) == (6, 0, 0)
 
 
 def test_a_stalled_copy_waits_in_the_inbox_and_is_taken_once_complete(tmp_path):
