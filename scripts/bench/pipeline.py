@@ -66,9 +66,14 @@ def one_setting(args, documents: list[Path], max_batch: str, work: Path) -> dict
     row = {"max_batch": max_batch, "exit_code": proc.returncode, "seconds": round(seconds, 2)}
     if proc.returncode != 0:
         row["stderr_tail"] = proc.stderr[-2000:]
-    with sqlite3.connect(folder / "uflash.db") as db:
-        stats = [json.loads(s) for (s,) in db.execute("SELECT stats FROM pages")]
-        done = [c for (c,) in db.execute("SELECT completed_at FROM documents WHERE completed_at IS NOT NULL")]
+        print(f"uflash run exited {proc.returncode}:\n{row['stderr_tail']}", file=sys.stderr, flush=True)
+    try:
+        with sqlite3.connect(folder / "uflash.db") as db:
+            stats = [json.loads(s) for (s,) in db.execute("SELECT stats FROM pages")]
+            done = [c for (c,) in db.execute("SELECT completed_at FROM documents WHERE completed_at IS NOT NULL")]
+    except sqlite3.OperationalError as exc:  # the run never made its ledger
+        row["ledger_error"] = str(exc)
+        return row
     first = min((datetime.fromisoformat(c) for c in done), default=None)
     if first is not None and first.tzinfo is None:
         first = first.replace(tzinfo=started.tzinfo if started.utcoffset() else None)
