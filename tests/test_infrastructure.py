@@ -127,7 +127,8 @@ def test_a_full_disk_under_the_ledger_rejects_no_file(quick_settings):
     assert len(list(s.inbox.iterdir())) == 3 and not any(s.failed.iterdir())
     full["on"] = False
     db.engine.dispose()
-    later = _outcomes(_poll_until(watcher, lambda res: _outcomes(res).count("known") >= 3))  # each looked at again
+    seen_again = lambda res: len({r.document_id for r in res if r.outcome == "known"}) == 3  # noqa: E731
+    later = _outcomes(_poll_until(watcher, seen_again))  # every file in the ledger, and looked at again since
     assert later.count("document") == 3 - taken.count("document")
     assert read_trouble(s.logs)[0]["over_at"] is not None
     with db.session() as ss:
