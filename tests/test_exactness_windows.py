@@ -50,12 +50,12 @@ def test_the_multi_page_window_slides_past_the_prompt_and_decides_tokens_the_eng
     assert len(expected) > WINDOW + len(official.prompt_ids)  # the window has left the prompt behind
     slid = decided_by_the_slide(official.prompt_ids, expected)
     assert len(slid) > 50 and min(slid) > WINDOW, slid[:5]  # decided by the slide, not once but many times
-    for mode in ("plain", "lossless"):
-        engine = BatchEngine(loaded, mode, max_batch=2)
+    for mode in ("plain", "lossless"):  # every step as wide as its draft: what is accepted does not hang on timing
+        engine = BatchEngine(loaded, mode, max_batch=2, adaptive_width=False)
         results = engine.run([engine.prepare(long_chunk, 1300), engine.prepare(single, 200)])
         assert [r.output_ids for r in results] == [expected, beside], mode
         if mode == "lossless":  # the drafts took part where the slide decided
-            assert results[0].stats["accepted_tokens"] > len(expected) // 2
+            assert results[0].stats["accepted_tokens"] > len(expected) // 3
 
 
 @pytest.mark.skipif(not (DEMO / "drafter" / "drafter_config.json").is_file(),
@@ -78,7 +78,7 @@ def test_a_four_page_demo_chunk_is_lossless_with_the_block_drafter():
     assert len(expected) == max_new > WINDOW and expected.count(demo.page_sep_id) >= 2  # into the chunk's pages
     net = load_block_drafter(demo)
     assert net is not None
-    engine = BatchEngine(demo, "lossless", block_net=net, drafters=("block",))
+    engine = BatchEngine(demo, "lossless", block_net=net, drafters=("block",), adaptive_width=False)
     (result,) = engine.run([engine.prepare(pages, max_new)])
     assert result.output_ids == expected
     block = result.stats["drafters"]["block"]
