@@ -115,7 +115,8 @@ def test_windows_task_xml_starts_watch_at_boot_without_a_time_limit(tmp_path):
     assert root.find("t:Triggers/t:BootTrigger/t:Enabled", ns).text == "true"
     assert root.find("t:Settings/t:ExecutionTimeLimit", ns).text == "PT0S"
     assert root.find("t:Settings/t:MultipleInstancesPolicy", ns).text == "IgnoreNew"
-    assert int(root.find("t:Settings/t:RestartOnFailure/t:Count", ns).text) > 0
+    restart = root.find("t:Settings/t:RestartOnFailure", ns)  # a minute after a crash, 999 times
+    assert (restart.find("t:Interval", ns).text, restart.find("t:Count", ns).text) == ("PT1M", "999")
     assert root.find("t:Principals/t:Principal/t:UserId", ns).text == "S-1-5-18"
     exec_ = root.find("t:Actions/t:Exec", ns)
     assert exec_.find("t:Command", ns).text == sys.executable

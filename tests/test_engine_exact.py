@@ -165,7 +165,9 @@ def test_decode_returns_chunk_output_with_stats(models, official):
     assert stats["drafters"]["replay"]["acceptance"] == 1.0 and set(stats["drafters"]) == {"reference", "replay",
                                                                                            "markup", "ngram"}
     assert stats["tau"] == stats["accepted_tokens"] / stats["verify_rounds"] > 4
-    assert stats["prefill_s"] > 0 and stats["verify_s"] > 0 and stats["batch_rows"] == 1.0
+    steps = stats["draft_s"] + stats["verify_s"] + stats["single_s"]
+    assert stats["prefill_s"] > 0 and 0 < stats["verify_s"] <= steps <= stats["wall_seconds"] + 1e-3  # parts of it
+    assert stats["batch_rows"] == 1.0
     single = dec.decode(_pages(1), context_limit=32768, max_new_tokens=40)
     page = single.pages[0]  # one page: the chunk's counts are the page's
     assert page.stats["tokens"] == 40 and page.stats["batch_rows"] == 1.0 and page.stats["mode"] == "lossless"
@@ -177,6 +179,21 @@ def test_decode_returns_chunk_output_with_stats(models, official):
     assert cut.finish_reason == "context_limit" and cut.output_ids == expected[:26]
     assert dec.decode(pages, context_limit=prompt + 10).finish_reason == "no_room"
     assert dec.describe()["mode"] == "lossless"
+
+
+@pytest.mark.xfail(strict=True, reason="a chunk's seconds start when its row is made, after its admission's vision "
+                   "and prefill, although ChunkResult.seconds says they are included")
+def test_a_chunks_seconds_include_its_admission(models):
+    """The vision and prefill of a chunk's admission (made 2 s slow here) are part of its seconds (and so of its
+    tokens per second)."""
+    import time
+
+    engine = BatchEngine(models[8], "plain")
+    real = engine.forward.prefill
+    engine.forward.prefill = lambda *args, **kw: (time.sleep(2.0), real(*args, **kw))[1]
+    out = EngineDecoder(engine).decode(_pages(1), context_limit=32768, max_new_tokens=5)
+    assert out.chunk_stats["prefill_s"] >= 2.0
+    assert out.chunk_stats["wall_seconds"] >= out.chunk_stats["prefill_s"]
 
 
 def test_load_decoder_modes(models):
@@ -196,9 +213,15 @@ def test_load_decoder_modes(models):
 def test_cache_memory_is_constant_in_output_length(models):
     # the looping model: its ngram drafts are often right, so 5,000 tokens take far fewer forwards
     engine = BatchEngine(models["loop"], "lossless", drafters=("ngram",))
-    short = engine.run([engine.prepare(_pages(1), 500)])[0].stats
-    long = engine.run([engine.prepare(_pages(1), 5000)])[0].stats
+    short_run = engine.run([engine.prepare(_pages(1), 500)])[0]
+    long_run = engine.run([engine.prepare(_pages(1), 5000)])[0]
+    short, long = short_run.stats, long_run.stats
     assert (short["tokens"], long["tokens"]) == (500, 5000)
+    assert long_run.output_ids[:500] == short_run.output_ids  # greedy: the same start, nothing left from the last run
+    rule = NoRepeatNgramRule(35, 128, long_run.request.prompt_ids)
+    for i, token in enumerate(long_run.output_ids):  # and the official rule obeyed all the way
+        assert token not in rule.banned(), i
+        rule.extend([token])
     assert short["cache_bytes"] == long["cache_bytes"] == engine.kv.bytes_per_row()
     assert long["ring_slots"] == 32  # window 8 + widest step 17 - 1, rounded up to 16
     assert long["verify_rounds"] > 100 and long["accepted_tokens"] > 1000  # the ring wrapped under speculation

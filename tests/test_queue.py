@@ -32,15 +32,20 @@ def add_document(db, n_chunks: int, name: str = "doc.pdf") -> int:
         return d.id
 
 
-def start_claimer(db, owner, out, mode, lease, idle=2.0):
-    return subprocess.Popen([sys.executable, "-m", "tests.claimer", db.url, owner, str(out), mode, str(lease), str(idle)],
-                            cwd=ROOT)
+def start_claimer(db, owner, out, mode, lease, idle=2.0, go=None):
+    return subprocess.Popen([sys.executable, "-m", "tests.claimer", db.url, owner, str(out), mode, str(lease), str(idle),
+                             *([str(go)] if go else [])], cwd=ROOT)
 
 
 def read_log(path):
     if not path.exists():
         return []
     return [line.split() for line in path.read_text().splitlines()]
+
+
+def lease_expiry(db) -> float:
+    with db.session() as s:
+        return s.scalars(select(Chunk.lease_expires_at)).one()
 
 
 def wait_for(pred, timeout=30.0, every=0.05):
@@ -56,7 +61,10 @@ def test_two_processes_never_claim_the_same_chunk(any_db, tmp_path):
     db = any_db
     add_document(db, 100)
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
-    procs = [start_claimer(db, f"worker-{i}", logs[i], "drain", 30) for i in range(2)]
+    go = tmp_path / "go"  # both start claiming together, however long each took to start on a busy machine
+    procs = [start_claimer(db, f"worker-{i}", logs[i], "drain", 30, go=go) for i in range(2)]
+    assert wait_for(lambda: all(any(r[0] == "ready" for r in read_log(lg)) for lg in logs), timeout=120)
+    go.touch()
     for p in procs:
         assert p.wait(timeout=120) == 0
     claimed = [[int(r[1]) for r in read_log(lg) if r[0] == "claimed"] for lg in logs]
@@ -71,25 +79,31 @@ def test_two_processes_never_claim_the_same_chunk(any_db, tmp_path):
 def test_killed_lease_holder_chunk_is_taken_over(any_db, tmp_path):
     db = any_db
     add_document(db, 1)
-    lease = 1.5
+    lease = 3.0  # the holder beats every lease / 12: a beat may come 2.7 s late on a busy machine
     a_log, b_log = tmp_path / "a.log", tmp_path / "b.log"
-    a = start_claimer(db, "holder", a_log, "hold", lease)
-    assert wait_for(lambda: any(r[0] == "claimed" for r in read_log(a_log)))
-    b = start_claimer(db, "rescuer", b_log, "drain", lease, idle=30)
+    a = b = start_claimer(db, "holder", a_log, "hold", lease)
     try:
-        # While the holder lives its heartbeat keeps the lease: the rescuer gets nothing.
-        time.sleep(3 * lease)
+        assert wait_for(lambda: any(r[0] == "claimed" for r in read_log(a_log)), timeout=120)
+        first_expiry = lease_expiry(db)
+        b = start_claimer(db, "rescuer", b_log, "drain", lease, idle=120)
+        # While the holder lives its heartbeat keeps the lease: the rescuer, polling every 0.05 s from well before
+        # the first term ran out until well after, gets nothing.
+        assert wait_for(lambda: any(r[0] == "ready" for r in read_log(b_log)), timeout=120)
+        polling_since = max(first_expiry, float(next(r for r in read_log(b_log) if r[0] == "ready")[1]))
+        assert wait_for(lambda: time.time() > polling_since + lease, timeout=120)
         assert not any(r[0] == "claimed" for r in read_log(b_log))
+        assert lease_expiry(db) > first_expiry + lease  # renewed, term after term
         os.kill(a.pid, signal.SIGKILL)
         killed_at = time.time()
         a.wait(timeout=10)
-        assert wait_for(lambda: any(r[0] == "done" for r in read_log(b_log)), timeout=20)
+        assert wait_for(lambda: any(r[0] == "done" for r in read_log(b_log)), timeout=120)
         rec = next(r for r in read_log(b_log) if r[0] == "claimed")
         assert int(rec[2]) == 2  # second attempt
         assert float(rec[3]) >= killed_at  # not before the holder died
     finally:
-        b.kill()
-        b.wait()
+        for proc in (a, b):  # the holder too, when an assertion failed before its kill
+            proc.kill()
+            proc.wait()
     with db.session() as s:
         c = s.scalars(select(Chunk)).one()
     assert c.status == ChunkStatus.DONE and c.attempts == 2
@@ -116,7 +130,7 @@ def test_retry_with_backoff_then_failed_with_reason(any_db):
 def test_expired_lease_on_last_attempt_ends_failed(db):
     add_document(db, 1)
     c = claim(db, "ghost", lease_seconds=1, max_attempts=1)
-    assert c is not None
+    assert (c.first_page, c.attempts) == (1, 1)
     assert claim(db, "other", 1, 1, now=time.time() + 5) is None
     with db.session() as s:
         chunk = s.scalars(select(Chunk)).one()

@@ -304,10 +304,12 @@ def test_worker_killed_mid_chunk_redoes_it_once(tmp_path, tiny_model_dir, ledger
         running = ss.scalars(select(Chunk).where(Chunk.status == ChunkStatus.RUNNING)).all()
         assert 1 <= len(running) <= 2 and all(c.lease_expires_at > time.time() + 200 for c in running), \
             "the killed worker held its leases"
+        dead_lease_ends = min(c.lease_expires_at for c in running)
     st = uflash("--config", str(cfg), "status").stdout
     assert "its worker is gone: the next worker takes it over at once" in st and "its process is gone" in st, st
     r = uflash("--config", str(cfg), "run", timeout=600)  # restart: takes the inbox file again
     assert r.returncode == 0, r.stdout + r.stderr
+    assert time.time() < dead_lease_ends, "the restart waited for the dead worker's lease"
     assert "leased by uflash processes that are gone: taken over now" in r.stderr
     with db.session() as ss:
         doc = ss.scalar(select(Document))
