@@ -1,15 +1,14 @@
 """What the drafters buy on scan pages: ``lossless`` (block drafter, markup, ngram; no text layer to draft from)
 against ``plain`` on a trained model, batch 1 and larger batches, 1-page and 4-page chunks, one process.
 
-Pages: scan-like PNG files in ``--pages-dir`` (``python -m scripts.synth --scan``: held-out seeds, image only).
+Pages: scan-like PNG files in ``--pages-dir`` (written by scripts.synth with ``--scan``: held-out seeds, image only).
 For each chunk size and batch size B, one `engine.batch_engine.BatchEngine` per mode decodes every chunk with at
 most B rows in flight: a warm-up pass (graph capture, compiles), then the timed pass. Columns: aggregate tok/s
 (output tokens / wall time, vision and prefills included), tokens per forward (1 without drafts), the block drafter's share
 of accepted tokens, and whether every chunk's tokens equal ``plain``'s (they must: lossless).
 Prints a table; the last line is one JSON object (also written to ``--json``).
 
-    python -m scripts.synth --out pages --pages 30 --scan --seed0 881000
-    python -m scripts.bench.drafter --model models/demo --pages-dir pages --batch 1,8,32 --json $OUT/drafter.json
+    python -m scripts.bench.drafter --model models/demo --pages-dir pages --batch 1,8,30 --json $OUT/drafter.json
 """
 
 from __future__ import annotations
