@@ -384,8 +384,8 @@ def default_kernels(loaded: LoadedModel) -> str:
 
 
 def load_block_drafter(loaded):
-    """The checkpoint's own block drafter (``<model folder>/drafter``, ``python -m scripts.train.drafter``), or None when
-    it has none. One that does not fit the model is refused with a warning, and decoding goes on without it."""
+    """The checkpoint's own block drafter (``<model folder>/drafter``, ``python -m scripts.train.drafter``), or None
+    when it has none. One that does not fit the model is refused with a warning, and decoding goes on without it."""
     from engine.drafters.block import CONFIG_FILE, BlockDrafterNet, drafter_folder
 
     folder = drafter_folder(loaded.path)

@@ -14,8 +14,8 @@
 - A drafter whose draft was wholly rejected sits out ``backoff`` rounds (1, 2, 4 .. 16, reset by any
   acceptance), so an always-wrong drafter costs little more than plain decoding. A drafter that declares
   ``sits_out = False`` never sits out: its proposal costs nothing and it re-aligns itself after a miss (the
-  replay drafter of a re-run), and its K already fell to 2, so a wrong draft costs a width-3 verify (sitting it out would turn the rounds
-  after the re-run's text re-joins the earlier one into single steps).
+  replay drafter of a re-run), and its K already fell to 2, so a wrong draft costs a width-3 verify (sitting it
+  out would turn the rounds after the re-run's text re-joins the earlier one into single steps).
 """
 
 from __future__ import annotations
