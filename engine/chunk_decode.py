@@ -1,51 +1,18 @@
-"""One chunk (several pages) -> one decode -> per-page results.
-
-The decoder runs one pass over the chunk's pages and hands back the pages it can vouch for:
-- every page, when the model finished (EOS) with one page of output per input page;
-- with a different page count, the pages it produced, in order, with a note on each (never silently
-  shifted), and the missing ones asked to be re-queued;
-- when the output reached the context limit, only the pages completed before the last page separator,
-  and the rest asked to be re-queued (the worker sends the page the output was cut on back alone, and the
-  pages after it as a chunk of their own).
-A single page always yields exactly one page; cut at the limit, its finish reason says so.
-Each kept page carries its own token ids and their log-probabilities (for ``ingest.quality``): the output
-split at the page separator token (separator and EOS left out), or, when the separator is not one token,
-a share of the output proportional to the page's text.
-"""
+"""Chunk decoders: the official reference (`OfficialDecoder`) and the batched engine (`EngineDecoder`), both handing
+back a chunk's pages by the rules of `engine.chunk_output`; a decoder is loaded by `engine.loading.load_decoder`."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-from loguru import logger
 
-from engine.model import PAGE_SEPARATOR, LoadedModel
-from engine.official import DecodeResult, decode_text, official_generate, parse_elements, split_pages
+from engine.chunk_output import ChunkOutput, assemble, no_room
+from engine.model import LoadedModel
+from engine.official import DecodeResult, decode_text, official_generate
 
 MIN_NEW_TOKENS = 16
-
-
-@dataclass
-class PageOutput:
-    text: str
-    boxes: list[dict[str, Any]]
-    stats: dict[str, Any]
-    ids: list[int] = field(default_factory=list)  # the page's output token ids (no separator / EOS)
-    logprobs: list[float] = field(default_factory=list)  # one per id (empty when the decoder has none)
-
-
-@dataclass
-class ChunkOutput:
-    pages: list[PageOutput]  # the pages kept, in order, for input pages 1..len(pages) of the chunk
-    n_input_pages: int
-    finish_reason: str  # eos | length | context_limit | no_room
-    requeue: bool = False  # pages after len(pages) must be decoded again (in a new chunk)
-    note: str | None = None
-    output_ids: list[int] = field(default_factory=list)
-    chunk_stats: dict[str, Any] = field(default_factory=dict)
 
 
 class ChunkDecoder(Protocol):
@@ -100,105 +67,6 @@ def token_budget(loaded: LoadedModel, n_pages: int, context_limit: int,
         return None
     limit = room if max_new_tokens is None else min(room, max_new_tokens)
     return limit, limit == room
-
-
-def no_room(n_pages: int, context_limit: int) -> ChunkOutput:
-    return ChunkOutput(pages=[], n_input_pages=n_pages, finish_reason="no_room", requeue=True,
-                       note=f"{n_pages} pages leave no room under the context limit {context_limit}")
-
-
-def page_token_spans(output_ids: list[int], pieces: list[str], groups: list[tuple[int, int]],
-                     page_sep_id: int | None, eos_token_id: int | None) -> list[tuple[int, int]]:
-    """[start, end) in ``output_ids`` of each kept page, where page k is ``pieces[groups[k][0]..groups[k][1]]``
-    (the pieces of ``split_pages``). Separator and final EOS are left out. Falls back to shares
-    proportional to the pieces' characters when the ids do not split into the same pieces."""
-    n = len(output_ids)
-    end_all = n - 1 if n and output_ids[-1] == eos_token_id else n
-    segments: list[tuple[int, int]] = []
-    if page_sep_id is not None:
-        start = 0
-        for i in range(end_all):
-            if output_ids[i] == page_sep_id:
-                segments.append((start, i))
-                start = i + 1
-        segments.append((start, end_all))
-        if len(segments) == len(pieces) + 1:  # the blank text before the first separator, dropped by split_pages
-            segments = segments[1:]
-    if len(segments) != len(pieces):
-        chars = [len(p) + 1 for p in pieces]
-        total, start, segments = sum(chars), 0, []
-        for k, c in enumerate(chars):
-            end = end_all if k == len(chars) - 1 else min(end_all, start + round(end_all * c / total))
-            segments.append((start, end))
-            start = end
-    return [(segments[a][0], segments[b][1]) for a, b in groups]
-
-
-def assemble(res: DecodeResult, n_in: int, hit_context: bool, page_sep_id: int | None = None,
-             eos_token_id: int | None = None) -> ChunkOutput:
-    """Turn one decode of ``n_in`` pages into kept pages, following the module's rules."""
-    finished = res.finish_reason == "eos"
-    tokens = len(res.output_ids)
-    if n_in == 1:
-        text = res.text.replace(PAGE_SEPARATOR, "\n").strip() if PAGE_SEPARATOR in res.text else res.text.strip()
-        reason = "eos" if finished else ("context_limit" if hit_context else "length")
-        texts, kept_reasons, requeue, note = [text], [reason], False, None
-    else:
-        pieces = split_pages(res.text, PAGE_SEPARATOR)
-        if not finished:
-            complete = pieces[:-1]  # the last piece was cut by the limit
-            texts = complete[:n_in]
-            requeue = len(texts) < n_in
-            note = None
-            if not requeue and len(complete) > n_in:
-                note = f"model produced {len(complete)} pages for {n_in} input pages; extra text kept on page {n_in}"
-                texts[-1] = "\n\n".join(complete[n_in - 1 :])
-        elif len(pieces) >= n_in:
-            texts, requeue, note = pieces[:n_in], False, None
-            if len(pieces) > n_in:
-                note = f"model produced {len(pieces)} pages for {n_in} input pages; extra text kept on page {n_in}"
-                texts[-1] = "\n\n".join(pieces[n_in - 1 :])
-        else:
-            texts = pieces if any(pieces) else []
-            requeue = True
-            note = f"model produced {len(texts)} pages for {n_in} input pages"  # the worker names what it re-queues
-        kept_reasons = ["page_separator"] * len(texts)
-        if texts and finished and not requeue:
-            kept_reasons[-1] = "eos"
-    n_chars = sum(len(t) for t in texts) or 1
-    eos = eos_token_id if eos_token_id is not None else (res.output_ids[-1] if finished and tokens else None)
-    if n_in == 1:
-        spans = [(0, tokens - 1 if finished and tokens else tokens)]
-    else:
-        groups = [(k, k) for k in range(len(texts))]
-        if texts and note and "extra text kept" in note:  # the last page holds the extra pieces
-            groups[-1] = (len(texts) - 1, len(pieces) - (1 if finished else 2))
-        spans = page_token_spans(res.output_ids, pieces, groups, page_sep_id, eos)
-    lps = res.logprobs if len(res.logprobs) == tokens else []
-    pages = [
-        PageOutput(
-            text=t,
-            boxes=parse_elements(t),
-            stats={
-                "finish_reason": kept_reasons[i],
-                "tokens": round(tokens * len(t) / n_chars) if len(texts) > 1 else tokens,
-                "seconds": round(res.seconds * (len(t) / n_chars if len(texts) > 1 else 1.0), 4),
-                "chunk_pages": n_in,
-                **({"note": note} if note else {}),
-            },
-            ids=list(res.output_ids[spans[i][0]:spans[i][1]]),
-            logprobs=list(lps[spans[i][0]:spans[i][1]]),
-        )
-        for i, t in enumerate(texts)
-    ]
-    finish = "eos" if finished else ("context_limit" if hit_context else "length")
-    return ChunkOutput(pages=pages, n_input_pages=n_in, finish_reason=finish, requeue=requeue, note=note,
-                       output_ids=list(res.output_ids), chunk_stats={
-                           "prompt_tokens": len(res.prompt_ids), "output_tokens": tokens,
-                           "seconds": round(res.seconds, 4),
-                           "tokens_per_second": round(tokens / res.seconds, 2) if res.seconds > 0 else 0.0,
-                           "finish_reason": finish, "prompt_kind": res.prompt_kind, "ngram_window": res.ngram_window,
-                           "pages_in": n_in, "pages_out": len(pages)})
 
 
 class OfficialDecoder:
@@ -345,60 +213,3 @@ class EngineDecoder:
 
 def _scaled(value: float, share: float) -> float:
     return round(value * share, 4) if isinstance(value, float) else round(value * share, 2)
-
-
-def load_decoder(path: str, device: str = "auto", dtype: str = "auto", mode: str = "official",
-                 fast_threshold: float | None = None, max_batch: int | str = 1, kernels: str = "auto",
-                 max_pages_per_chunk: int = 0) -> ChunkDecoder:
-    """official: transformers generate(); plain / lossless / fast: `BatchEngine` (CUDA graphs on a GPU) with
-    ``max_batch`` rows (``auto``: as many as the free GPU memory holds, `engine.memory.auto_batch`; 1 on the CPU).
-    kernels: ``torch`` or ``invariant`` (`engine.forward`); ``auto`` = invariant in bf16/fp16 on CUDA, so that a
-    chunk's tokens do not depend on its batch. lossless and fast also draft with the checkpoint's block drafter
-    when it has one (`load_block_drafter`). max_pages_per_chunk: sizes the rows' prefix region up front."""
-    from engine.batch_engine import BatchEngine
-    from engine.memory import auto_batch
-    from engine.model import load_model
-    from engine.rows import MODES
-
-    if mode != "official" and mode not in MODES:
-        raise ValueError(f"engine mode {mode!r} is not available; use 'official', 'plain', 'lossless' or 'fast'")
-    loaded = load_model(path, device, dtype)
-    if mode == "official":
-        return OfficialDecoder(loaded)
-    if kernels == "auto":
-        kernels = default_kernels(loaded)
-    prefix = prompt_length(loaded, max(1, max_pages_per_chunk)) if max_pages_per_chunk else 0
-    net = load_block_drafter(loaded) if mode != "plain" else None
-    if max_batch == "auto":
-        max_batch = auto_batch(loaded, prefix or prompt_length(loaded, 1), k_max=16 if mode != "plain" else 0)
-    extra = {"fast_threshold": fast_threshold} if fast_threshold is not None else {}
-    engine = BatchEngine(loaded, mode, max_batch=int(max_batch), block_net=net, kernels=kernels,
-                         prefix_capacity=prefix, **extra)
-    return EngineDecoder(engine)
-
-
-def default_kernels(loaded: LoadedModel) -> str:
-    """The step kernels for ``loaded`` (`engine.forward`): ``invariant`` in bf16/fp16 on CUDA, so that a chunk's
-    tokens do not depend on its batch; ``torch`` otherwise (fp32 is exact with either)."""
-    return "invariant" if loaded.device.type == "cuda" and loaded.dtype != torch.float32 else "torch"
-
-
-def load_block_drafter(loaded):
-    """The checkpoint's own block drafter (``<model folder>/drafter``, ``python -m scripts.train.drafter``), or None
-    when it has none. One that does not fit the model is refused with a warning, and decoding goes on without it."""
-    from engine.drafters.block import CONFIG_FILE, BlockDrafterNet, drafter_folder
-
-    folder = drafter_folder(loaded.path)
-    if not (folder / CONFIG_FILE).is_file():
-        return None
-    try:
-        net = BlockDrafterNet.load(folder, loaded.device, loaded.dtype)
-    except Exception as exc:  # noqa: BLE001 - a broken drafter must not stop decoding
-        logger.warning("block drafter in {} not loaded: {}: {}", folder, type(exc).__name__, exc)
-        return None
-    if net.config.target_hidden != loaded.model.config.text_config.hidden_size or \
-            max(net.config.layers) >= loaded.model.config.text_config.num_hidden_layers:
-        logger.warning("block drafter in {} was made for another model: not used", folder)
-        return None
-    logger.info("block drafter loaded from {} (block {}, layers {})", folder, net.config.block, net.config.layers)
-    return net

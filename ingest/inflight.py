@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.chunk_decode import ChunkDecoder, ChunkOutput
+from engine.chunk_decode import ChunkDecoder
+from engine.chunk_output import ChunkOutput
 
 Ended = tuple[Any, "ChunkOutput | BaseException"]
 

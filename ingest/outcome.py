@@ -22,7 +22,7 @@ from db.chunks import split_chunk
 from db.models import ChunkStatus
 from db.queue import Claim, fail
 from db.session import Database
-from engine.chunk_decode import ChunkOutput
+from engine.chunk_output import ChunkOutput
 from ingest.config import Settings
 from ingest.prepare import PreparedChunk, Unreadable
 from ingest.repair import chunk_page_stats, repair_chunk

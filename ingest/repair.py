@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from engine.chunk_decode import ChunkOutput, PageOutput
+from engine.chunk_output import ChunkOutput, PageOutput
 from ingest.grading import checks, explain, page_figures, plain_text, repeats
 from ingest.ink import ink_text
 from ingest.page_text import page_markdown

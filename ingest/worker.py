@@ -32,7 +32,8 @@ from loguru import logger
 from db.chunks import LeaseLost, store_chunk
 from db.queue import Claim, claim, release
 from db.session import Database
-from engine.chunk_decode import ChunkDecoder, ChunkOutput
+from engine.chunk_decode import ChunkDecoder
+from engine.chunk_output import ChunkOutput
 from engine.model import ModelLoadError, ModelNotFound
 from ingest.config import Settings
 from ingest.errors import ModelUnavailable, infrastructure_problem
@@ -261,7 +262,7 @@ def make_worker(settings: Settings, db: Database, **kw: Any) -> Worker:
     ``model.device`` when it first needs it."""
 
     def load() -> ChunkDecoder:
-        from engine.chunk_decode import load_decoder
+        from engine.loading import load_decoder
 
         m, e = settings.model, settings.engine
         if m.device.startswith("cuda:"):  # one worker per GPU: this process's CUDA work goes to its card

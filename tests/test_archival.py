@@ -16,7 +16,7 @@ import pytest
 from lxml import etree
 from PIL import Image, ImageDraw
 
-from engine.chunk_decode import assemble
+from engine.chunk_output import assemble
 from engine.official import DecodeResult
 from ingest.word_layout import GRID, layout_page, page_segments, plain_words
 from tests.conftest import ROOT, make_pdf, serve_until, uflash, worker_config

@@ -11,7 +11,7 @@ from sqlalchemy import func, select
 
 from db.models import Chunk, ChunkStatus, Document, Page
 from db.session import Database
-from engine.chunk_decode import load_decoder
+from engine.loading import load_decoder
 from ingest.config import load_settings
 from ingest.intake import intake_file
 from ingest.report import collect_report, format_report

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from engine.batch_engine import BatchEngine
-from engine.chunk_decode import load_decoder
 from engine.drafters.block import BlockDrafterConfig, BlockDrafterNet
 from engine.drafters.block_rows import BlockRows
 from engine.drafters.block_teacher import TeacherMismatch, label_features, make_examples, teacher_features
 from engine.drafters.policy import DraftPolicy
+from engine.loading import load_decoder
 from engine.model import load_model
 from engine.official import official_generate
 from engine.rows import make_drafters

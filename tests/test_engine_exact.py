@@ -15,9 +15,10 @@ from transformers.models.unlimited_ocr.generation_unlimited_ocr import (
 )
 
 from engine.batch_engine import BatchEngine
-from engine.chunk_decode import EngineDecoder, OfficialDecoder, load_decoder, prompt_length
+from engine.chunk_decode import EngineDecoder, OfficialDecoder, prompt_length
 from engine.drafters.ngram import NgramDrafter
 from engine.drafters.suffix_match import ReferenceDrafter, ReplayDrafter
+from engine.loading import load_decoder
 from engine.model import load_model
 from engine.ngram_rule import NoRepeatNgramRule
 from engine.official import official_generate, official_inputs

@@ -65,7 +65,7 @@ def test_a_four_page_demo_chunk_is_lossless_with_the_block_drafter():
     its prompt alone is longer than the rule's window, and 1,100 tokens later the window lies inside the output;
     lossless with the shipped block drafter (the only drafter) emits official generate()'s tokens exactly, most of
     them drafted by the block drafter."""
-    from engine.chunk_decode import load_block_drafter
+    from engine.loading import load_block_drafter
     from scripts.synth import make_document, render_pages
 
     demo = load_model(str(DEMO), "cpu", "float32")

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.chunk_decode import assemble
+from engine.chunk_output import assemble
 from engine.official import DecodeResult
 from scripts.eval import grades
 from scripts.eval.ladder_decode import decode_ladder, read_lines

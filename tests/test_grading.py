@@ -12,7 +12,7 @@ from sqlalchemy import func, select
 
 from db.models import Document, Page
 from db.session import Database
-from engine.chunk_decode import assemble
+from engine.chunk_output import assemble
 from engine.official import DecodeResult
 from ingest.config import load_settings
 from ingest.grading import checks, explain, grade, grade_document, neighbour_ratio, repeats

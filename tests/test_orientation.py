@@ -143,7 +143,7 @@ def test_a_model_that_cannot_read_the_page_turns_nothing():
     """The demo model (synthetic pages only) cannot read the real sideways sheet: its probes are all low, and one
     of them (the wrong way, upside down) 0.1 above the page as it is; the floor keeps it from turning the page.
     The same for the sheet upside down."""
-    from engine.chunk_decode import load_decoder
+    from engine.loading import load_decoder
     from ingest.orientation import decoder_probe
 
     decoder = load_decoder(str(DEMO), "cpu", "float32", "lossless")
@@ -160,7 +160,7 @@ def test_the_demo_model_reads_a_turned_scan_as_it_reads_the_upright_one(tmp_path
     upright page with clearly more confidence) and reads the same text as from the upright original; with the check
     off it reads something else. The searchable PDF shows the page turned; document.md says so."""
     from db.session import Database
-    from engine.chunk_decode import load_decoder
+    from engine.loading import load_decoder
     from ingest.config import load_settings
     from ingest.intake import intake_file
     from ingest.report import collect_report, format_report

@@ -19,7 +19,7 @@ from sqlalchemy import select
 
 from db.models import Document, Page
 from db.session import Database
-from engine.chunk_decode import assemble
+from engine.chunk_output import assemble
 from engine.official import DecodeResult
 from ingest.config import load_settings
 from ingest.ink import ink_mask

@@ -22,7 +22,8 @@ from sqlalchemy import func, select
 
 from db.models import Chunk, ChunkStatus, DocStatus, Document, Duplicate, Page, Run
 from db.session import Database
-from engine.chunk_decode import OfficialDecoder, assemble
+from engine.chunk_decode import OfficialDecoder
+from engine.chunk_output import assemble
 from engine.model import load_model
 from engine.official import DecodeResult
 from ingest.config import OrientationSettings, load_settings

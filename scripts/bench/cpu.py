@@ -97,7 +97,7 @@ def synth_jobs(n_docs: int, n_pages: int, tmp: Path) -> list[tuple[list, list[st
 def run_benchmark(model_path: str, n_pages: int, max_new_tokens: int, device: str, dtype: str, k_max: int,
                   repeat: int = 1, synth: int = 0, block: bool = True) -> dict:
     from engine.batch_engine import BatchEngine
-    from engine.chunk_decode import default_kernels, load_block_drafter
+    from engine.loading import default_kernels, load_block_drafter
     from engine.model import load_model
     from engine.official import official_generate
     from ingest.render import render_pages

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from PIL import Image
 
-    from engine.chunk_decode import default_kernels, load_block_drafter
+    from engine.loading import default_kernels, load_block_drafter
     from engine.model import load_model
 
     loaded = load_model(args.model, args.device, args.dtype)

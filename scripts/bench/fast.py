@@ -104,7 +104,8 @@ def make_settings(folder: Path, args: argparse.Namespace, mode: str, fast_thresh
 
 def decoder_factory(loaded, args: argparse.Namespace):
     from engine.batch_engine import BatchEngine
-    from engine.chunk_decode import EngineDecoder, OfficialDecoder, default_kernels, load_block_drafter
+    from engine.chunk_decode import EngineDecoder, OfficialDecoder
+    from engine.loading import default_kernels, load_block_drafter
 
     block_net = None if args.no_block else load_block_drafter(loaded)  # as uflash: the model folder's drafter
 

@@ -60,7 +60,7 @@ def decode_batch(loaded, chunks, tokens_per_page: int, mode: str, kernels: str, 
 
 
 def check_fp32(args, pages, log) -> dict:
-    from engine.chunk_decode import load_block_drafter
+    from engine.loading import load_block_drafter
     from engine.model import load_model
     from engine.official import official_generate
 
@@ -86,7 +86,7 @@ def check_fp32(args, pages, log) -> dict:
 
 
 def check_bf16(args, pages, log) -> dict:
-    from engine.chunk_decode import load_block_drafter
+    from engine.loading import load_block_drafter
     from engine.model import load_model
 
     loaded = load_model(args.model, args.device, "bfloat16")

@@ -52,7 +52,7 @@ def graded_pages(docs: list[dict], alone: dict[str, dict], t, tokenizer, repair:
     of caught pages with their single-page readings (``alone``; a page without one is left as it was), the
     document's grade (ingest.grading.grade_document); with its CER to the truth. A caught page without a reading
     alone is left as it was and marked ``"repair": {"kept": "no reading alone"}``."""
-    from engine.chunk_decode import PageOutput
+    from engine.chunk_output import PageOutput
     from ingest.grading import checks, grade_document, plain_text
     from ingest.quality import edit_distance
     from ingest.repair import chunk_page_stats, repair_chunk
@@ -71,7 +71,7 @@ def graded_pages(docs: list[dict], alone: dict[str, dict], t, tokenizer, repair:
             unread: list[int] = []
 
             def decode_alone(i: int, first=first, out=out):
-                from engine.chunk_decode import ChunkOutput
+                from engine.chunk_output import ChunkOutput
 
                 rec = alone.get(alone_key(doc["seed"], first + i))
                 if rec is None:

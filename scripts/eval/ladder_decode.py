@@ -85,8 +85,8 @@ def page_record(po) -> dict[str, Any]:
 
 
 def chunk_outputs(doc: dict[str, Any]):
-    """The document's chunks as (first page, ``engine.chunk_decode.ChunkOutput``)."""
-    from engine.chunk_decode import ChunkOutput, PageOutput
+    """The document's chunks as (first page, ``engine.chunk_output.ChunkOutput``)."""
+    from engine.chunk_output import ChunkOutput, PageOutput
 
     for ch in doc["chunks"]:
         pages = [PageOutput(text=p["text"], boxes=[], stats={k: v for k, v in p["stats"].items() if v is not None},
@@ -184,7 +184,7 @@ def decode_ladder(folder: Path, model: str, docs: int, seed0: int = SEED0, devic
     # the pool starts before torch does anything (spawned processes: no CUDA state copied)
     pool = mp.get_context("spawn").Pool(procs, initializer=_render_worker_init)
 
-    from engine.chunk_decode import load_decoder
+    from engine.loading import load_decoder
     from ingest.quality import Thresholds
 
     if decoder is None:

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine.chunk_decode import load_decoder
+from engine.loading import load_decoder
 from ingest.config import OrientationSettings
 from ingest.orientation import (
     choose_turn,

@@ -107,7 +107,7 @@ def decode_plain(loaded, chunks: list[list], max_new_tokens: int, desc: str,
     chunk's tokens are those of official generate() of it alone). With ``drafter``: `lossless` with that block
     drafter alone, the same tokens. The processor runs on a chunk only when a row is free for it."""
     from engine.batch_engine import BatchEngine
-    from engine.chunk_decode import default_kernels
+    from engine.loading import default_kernels
 
     options = {"max_batch": max(1, min(len(chunks), DECODE_BATCH)), "kernels": default_kernels(loaded)}
     if drafter is None:

@@ -38,7 +38,7 @@ def evaluate(loaded, net, chunks: list[list], max_new_tokens: int, k_max: int, b
     per page), side by side. block_sits_out, block_full_k: `engine.batch_engine.BatchEngine`'s; warmup: chunks
     decoded by both sides before the timed ones; batch: every chunk in one batch (else each alone)."""
     from engine.batch_engine import BatchEngine
-    from engine.chunk_decode import default_kernels
+    from engine.loading import default_kernels
 
     rows_wanted = len(chunks) if batch else 1
     common = {"max_batch": max(rows_wanted, 1), "kernels": default_kernels(loaded)}
