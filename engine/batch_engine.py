@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -30,54 +29,18 @@ import torch
 from loguru import logger
 
 from engine.acceptance import accept
+from engine.admission import admit
 from engine.drafters.block_rows import BlockRows
 from engine.forward import BatchForward
 from engine.kv_slots import PREFIX_BUCKETS, KVSlots, bucket, pow2_buckets
 from engine.model import LoadedModel
 from engine.official import chunk_inputs
+from engine.requests import ChunkRequest, ChunkResult
 from engine.rows import DRAFTERS, MODES, Row, make_drafters, official_rule
 from engine.step_graphs import GraphCaptureError, StepGraphs, cuda_graphs_available
 from engine.step_width import StepWidth
-from engine.vision import embed_chunks
 
-PREFILL_TOKENS = 16384  # prefix tokens prefilled in one forward at most (chunks of one prefix length together)
 SKIP_AFTER, SKIP_EVERY = 8, 8  # `BatchEngine._drafting_pays`
-
-
-def prefill_groups(lengths: list[int], budget: int) -> list[list[int]]:
-    """Indices of chunks grouped by prefix length, each group within ``budget`` tokens (at least one chunk)."""
-    groups: list[list[int]] = []
-    for length in sorted(set(lengths)):
-        same = [i for i, n in enumerate(lengths) if n == length]
-        per = max(1, budget // length)
-        groups += [same[i : i + per] for i in range(0, len(same), per)]
-    return groups
-
-
-@dataclass
-class ChunkRequest:
-    key: Any  # the caller's handle
-    inputs: Any  # processor outputs on the CPU (`engine.official.chunk_inputs`)
-    kind: str  # single | multi
-    n_pages: int
-    max_new_tokens: int
-    reference_texts: list[str] | None = None
-    replay_ids: list[int] | None = None
-    submitted_at: float = field(default_factory=time.perf_counter)
-
-    @property
-    def prompt_ids(self) -> list[int]:
-        return self.inputs["input_ids"][0].tolist()
-
-
-@dataclass
-class ChunkResult:
-    request: ChunkRequest
-    output_ids: list[int]
-    logprobs: list[float]  # per output id: log-softmax of the logits before the bans
-    finish_reason: str  # eos | length
-    seconds: float  # admission to end (the vision and prefill of its admission included)
-    stats: dict[str, Any]
 
 
 class BatchEngine:
@@ -137,8 +100,6 @@ class BatchEngine:
         self._plain_streak = self._since_plan = 0
         self.timing = {"vision_s": 0.0, "prefill_s": 0.0, "steps_s": 0.0}  # wall time of the engine's work
 
-    # --- the queue ---------------------------------------------------------------------------------------
-
     def prepare(self, images: list, max_new_tokens: int, key: Any = None, reference_texts: list[str] | None = None,
                 replay_ids: list[int] | None = None) -> ChunkRequest:
         """A chunk of ``images`` (1 page: the single-page prompt, else the multi-page one) to decode up to
@@ -170,12 +131,10 @@ class BatchEngine:
                 done[id(res.request)] = res
         return [done[id(r)] for r in requests]
 
-    # --- the loop ----------------------------------------------------------------------------------------
-
     @torch.inference_mode()
     def step(self) -> list[ChunkResult]:
         """Admit what fits, run one step over every row, return the chunks that ended."""
-        finished = self._admit()
+        finished = admit(self)
         if not self.active:
             return finished
         try:
@@ -200,45 +159,6 @@ class BatchEngine:
         dropped = self.drop_rows() + list(self.pending)
         self.pending.clear()
         return dropped
-
-    def _admit(self) -> list[ChunkResult]:
-        free = [i for i in range(self.row_limit) if self.rows[i] is None]
-        take = [self.pending.popleft() for _ in range(min(len(free), len(self.pending)))]
-        if not take:
-            return []
-        t0 = time.perf_counter()
-        try:
-            if self.kv.ensure_capacity(max(len(r.inputs["input_ids"][0]) for r in take)) and self.graphs is not None:
-                self.graphs.clear()  # captured over the old buffers
-            inputs = [r.inputs.to(self.loaded.device, dtype=self.loaded.dtype) for r in take]
-            embeds = embed_chunks(self.loaded.model, self.loaded.image_token_id, inputs, self.vision_group,
-                                  self.pad_vision)
-            vision_s = (time.perf_counter() - t0) / len(take)
-            self.timing["vision_s"] += vision_s * len(take)
-            finished = []
-            for group in prefill_groups([e.shape[1] for e in embeds], PREFILL_TOKENS):
-                t1 = time.perf_counter()
-                rows = [free[j] for j in group]
-                logits, features = self.forward.prefill(rows, torch.cat([embeds[j] for j in group]))
-                self.timing["prefill_s"] += time.perf_counter() - t1
-                share = vision_s + (time.perf_counter() - t1) / len(group)
-                for k, j in enumerate(group):
-                    row = Row(take[j], rows[k], self.rules[take[j].kind], self._drafters_for(take[j], rows[k]),
-                              self.k_max)
-                    if self.block is not None:
-                        self.block.start(rows[k], features[k])
-                    row.start(logits[k], prefill_s=share, eos=self.eos)
-                    self.rows[rows[k]] = row
-                    if row.done(self.eos):
-                        finished.append(self._finish(row))
-        except torch.OutOfMemoryError as exc:
-            admitted = {id(r.request) for r in self.rows if r is not None}
-            self.pending.extendleft(reversed([r for r in take if id(r) not in admitted]))
-            if not self.active:
-                raise
-            self._shrink(self.active, exc)
-            return []
-        return finished
 
     def _step(self) -> list[ChunkResult]:
         t0 = time.perf_counter()
@@ -358,7 +278,7 @@ class BatchEngine:
                           ring_slots=self.kv.ring_size, backend="graphs" if self.graphs is not None else "eager",
                           kernels=self.forward.kernels, moe=self.forward.moe)
         return ChunkResult(row.request, row.output, row.logprobs, "eos" if row.output[-1] == self.eos else "length",
-                           time.perf_counter() - row.started, stats)
+                           time.perf_counter() - row.started + row.times["prefill_s"], stats)
 
     def _shrink(self, limit: int, exc: BaseException) -> None:
         """Out of memory: the rows at ``limit`` and above go back to the front of the queue (from their start)."""

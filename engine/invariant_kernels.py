@@ -143,8 +143,6 @@ def expert_blocks(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Ten
     return rows, block_expert, slot
 
 
-# --- rows: rms norm, logsumexp ----------------------------------------------------------------------------------
-
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, H, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0)

@@ -182,8 +182,6 @@ def test_decode_returns_chunk_output_with_stats(models, official):
     assert dec.describe()["mode"] == "lossless"
 
 
-@pytest.mark.xfail(strict=True, reason="a chunk's seconds start when its row is made, after its admission's vision "
-                   "and prefill, although ChunkResult.seconds says they are included")
 def test_a_chunks_seconds_include_its_admission(models):
     """The vision and prefill of a chunk's admission (made 2 s slow here) are part of its seconds (and so of its
     tokens per second)."""
