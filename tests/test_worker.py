@@ -398,9 +398,9 @@ def test_a_rerun_killed_mid_way_is_closed_and_the_next_rerun_finishes_the_docume
 
 def test_a_rerun_stopped_by_a_signal_cancels_what_it_left_and_rewrites_the_document(tmp_path, tiny_model_dir,
                                                                                     ledger_url):
-    """SIGTERM during `uflash rerun`: the chunk in hand is finished, the rest is cancelled (not left reserved for a
-    closed run), the command says which pages were not re-run and exits 130, and the document shows the pages it
-    did re-run."""
+    """SIGTERM during `uflash rerun`: the chunk decoding is finished (one claimed ahead and not yet decoding is given
+    back), the rest is cancelled (not left reserved for a closed run), the command says which pages were not re-run
+    and exits 130, and the document shows the pages it did re-run."""
     cfg, s, db, proc = _rerun_frozen(tmp_path, tiny_model_dir, pages_stored=1, ledger_url=ledger_url)
     os.kill(proc.pid, signal.SIGTERM)
     os.kill(proc.pid, signal.SIGCONT)
@@ -411,7 +411,7 @@ def test_a_rerun_stopped_by_a_signal_cancels_what_it_left_and_rewrites_the_docum
         run = ss.get(Run, 2)
         redone = sorted(ss.scalars(select(Page.page_index).where(Page.run_id == 2)).all())
         cancelled = [c.first_page for c in _rerun_chunks(ss, 2, ChunkStatus.CANCELLED)]
-    assert run.end_reason == "closed" and 2 <= len(redone) < 6, out
+    assert run.end_reason == "closed" and 1 <= len(redone) < 6, out
     assert redone + cancelled == list(range(1, 7))
     assert all(f"not run pages {i}-{i} of document 1: stopped before it was decoded" in out for i in cancelled), out
     doc = json.loads((s.outbox / "six" / "document.json").read_text(encoding="utf-8"))
