@@ -72,7 +72,7 @@ class Thresholds:
     mean_logprob_fair: float = -0.08
     unsure_word_prob: float = 0.5  # a word whose confidence is below this is one the model was unsure of ...
     unsure_words_poor: float = 0.25  # ... and a share of such words above this: poor
-    unsure_words_fair: float = 0.10
+    unsure_words_fair: float = 0.12
     ink_min_chars: int = 40  # compare the text with the print on the page when either has at least this many chars
     ink_short: float = 0.4  # characters read / characters of print measured on the page below this: poor
     ink_long: float = 2.5  # ... above this: poor
