@@ -4,6 +4,7 @@
 #   site_core.tar.xz  transformers 5.24 cut to the model folders Unlimited-OCR imports, loguru, sqlalchemy, pydantic,
 #                     pydantic-settings, watchdog, pytest (~6 MB)
 #   site_pdf.tar.xz   pymupdf, for calls that render PDFs (the pipeline) (~18 MB)
+#   site_extra.tar.xz lxml and tqdm, for calls that run `uflash run` with ALTO output (~3 MB)
 #   demo.tar.xz       models/demo with its drafter stored in bf16 for the trip (the engine casts it to the model's
 #                     dtype anyway) (~33 MB)
 # When the tree may be copied there only up to 64 MiB (models/demo alone is 51 MiB), move models/demo out of the
@@ -37,6 +38,11 @@ if [ ! -f .dev/site_pdf.tar.xz ]; then
     python3 -m zipfile -e "$tmp"/wheels/pymupdf-*.whl "$tmp/pdf"
     tar -cJf .dev/site_pdf.tar.xz -C "$tmp/pdf" .
 fi
+if [ ! -f .dev/site_extra.tar.xz ]; then  # lxml (ALTO, hOCR) and tqdm (run progress), for `uflash run` there
+    download lxml==6.2.0 tqdm==4.70.1
+    for w in "$tmp"/wheels/lxml-*.whl "$tmp"/wheels/tqdm-*.whl; do python3 -m zipfile -e "$w" "$tmp/extra"; done
+    tar -cJf .dev/site_extra.tar.xz -C "$tmp/extra" .
+fi
 if [ ! -f .dev/demo.tar.xz ]; then
     cp -r models/demo "$tmp/demo"
     python3 - "$tmp/demo/drafter/drafter.safetensors" <<'PY'
@@ -52,6 +58,7 @@ cat <<'RECIPE'
 Each time: here `mv models/demo /tmp/demo_hold` (back afterwards: `mv /tmp/demo_hold models/demo`), copy the tree
 with .dev to the GPU machine, and start the command there with:
   mkdir -p /tmp/site models/demo && tar -xJf .dev/site_core.tar.xz -C /tmp/site &&
-  tar -xJf .dev/site_pdf.tar.xz -C /tmp/site && tar -xJf .dev/demo.tar.xz -C models/demo &&
+  tar -xJf .dev/site_pdf.tar.xz -C /tmp/site && tar -xJf .dev/site_extra.tar.xz -C /tmp/site &&
+  tar -xJf .dev/demo.tar.xz -C models/demo &&
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && ...
 RECIPE
