@@ -65,21 +65,27 @@ def layout_labels(seed: int, n_pages: int = 1, difficulty: float = 1.0, open_wor
             for i in range(n_pages)]
 
 
+def scanned_copy(doc: pymupdf.Document, seed: int, degrade, quality: int) -> pymupdf.Document:
+    """An image-only copy of ``doc`` (``doc`` is closed): each page rendered at SCAN_DPI, ``degrade(array, rng)``,
+    stored as a JPEG of this quality."""
+    out = pymupdf.open()
+    for i, page in enumerate(doc):
+        arr = degrade(render_long_side(page, int(max(page.rect.width, page.rect.height) * SCAN_DPI / 72)),
+                      _page_rng(seed, 200 + i))
+        buf = io.BytesIO()
+        Image.fromarray(arr).save(buf, format="JPEG", quality=quality)
+        new = out.new_page(width=page.rect.width, height=page.rect.height)
+        new.insert_image(new.rect, stream=buf.getvalue())
+    doc.close()
+    return out
+
+
 def make_document(seed: int, n_pages: int = 1, scan: bool = False, difficulty: float = 1.0,
                   kind: str = "document", open_words: float = 0.0) -> tuple[bytes, list[str]]:
     """(PDF bytes, one label string per page). scan=True: image-only pages, no text layer."""
     doc, labels = build_pages(seed, n_pages, difficulty, kind, open_words)
     if scan:
-        out = pymupdf.open()
-        for i, page in enumerate(doc):
-            arr = scanify(render_long_side(page, int(max(page.rect.width, page.rect.height) * SCAN_DPI / 72)),
-                          _page_rng(seed, 200 + i))
-            buf = io.BytesIO()
-            Image.fromarray(arr).save(buf, format="JPEG", quality=85)
-            new = out.new_page(width=page.rect.width, height=page.rect.height)
-            new.insert_image(new.rect, stream=buf.getvalue())
-        doc.close()
-        doc = out
+        doc = scanned_copy(doc, seed, scanify, quality=85)
     data = doc.tobytes(garbage=3, deflate=True, no_new_id=True)
     doc.close()
     return data, labels

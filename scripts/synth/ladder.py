@@ -11,7 +11,6 @@ Same seed -> same document; seeds below ``scripts.synth.HELD_OUT_LIMIT`` were ne
 
 from __future__ import annotations
 
-import io
 import random
 from dataclasses import asdict, dataclass
 
@@ -19,10 +18,10 @@ import numpy as np
 import pymupdf
 from PIL import Image, ImageFilter
 
-from scripts.synth import SCAN_DPI, _page_rng
+from scripts.synth import _page_rng, scanned_copy
 from scripts.synth import text as T
 from scripts.synth.doc import PAGE_SIZES, PageBuilder, Style, draw_page, page_label
-from scripts.synth.raster import _noise_field, render_long_side
+from scripts.synth.raster import _noise_field
 
 SIZES = (9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 16.0, 18.0, 20.0)
 FAMILIES = ("helv", "tiro", "cour")
@@ -109,16 +108,7 @@ def ladder_document(seed: int) -> tuple[bytes, list[str], Rung]:
     rung = ladder_rung(seed)
     doc, labels = ladder_pages(rung)
     if rung.scan != "none":
-        out = pymupdf.open()
-        for i, page in enumerate(doc):
-            arr = render_long_side(page, int(max(page.rect.width, page.rect.height) * SCAN_DPI / 72))
-            arr = degrade(arr, _page_rng(seed, 200 + i), SCANS[rung.scan])
-            buf = io.BytesIO()
-            Image.fromarray(arr).save(buf, format="JPEG", quality=80)
-            new = out.new_page(width=page.rect.width, height=page.rect.height)
-            new.insert_image(new.rect, stream=buf.getvalue())
-        doc.close()
-        doc = out
+        doc = scanned_copy(doc, seed, lambda arr, rng: degrade(arr, rng, SCANS[rung.scan]), quality=80)
     data = doc.tobytes(garbage=3, deflate=True, no_new_id=True)
     doc.close()
     return data, labels, rung
