@@ -79,7 +79,7 @@ def evaluate(loaded, net, chunks: list[list], max_new_tokens: int, k_max: int, b
             "identical": sum(pa.output_ids == pb.output_ids for pa, pb in zip(a, b)),
             "tau_mean": round(sum(r["tau"] for r in rows) / max(1, n), 3),
             "speedup_vs_plain": round(plain_s / block_s, 3) if block_s else None,
-            "plain_s": round(plain_s, 2), "block_s": round(block_s, 2),
+            "plain_s": round(plain_s, 4), "block_s": round(block_s, 4),
             "plain_tok_s": round(sum(len(r.output_ids) for r in a) / plain_s, 1) if plain_s else None,
             "block_tok_s": round(tokens / block_s, 1) if block_s else None,
             "draft_share": round(sum(r["draft_share"] for r in rows) / max(1, n), 4),
