@@ -38,13 +38,15 @@ class Accepted:
 
 def accept(rows: Sequence[Sequence[float]], n_draft: int, rule: NoRepeatNgramRule, eos_token_id: int,
            logits_row: Callable[[int], torch.Tensor], fast_threshold: float | None = None,
-           strict_ids: frozenset[int] = frozenset()) -> Accepted:
-    """The rule of the module docstring for one row; ``rows`` [>= n_draft + 1][5], ``logits_row(i)`` fp32 [vocab]."""
+           strict_ids: frozenset[int] = frozenset(), bans: Sequence[set[int]] = ()) -> Accepted:
+    """The rule of the module docstring for one row; ``rows`` [>= n_draft + 1][5], ``logits_row(i)`` fp32 [vocab].
+    ``bans[i]``, where given, is ``rule.banned(d1 .. di)`` computed ahead (the engine does it while the device runs
+    the step); the rest are computed here."""
     draft = [int(rows[i][4]) for i in range(n_draft)]
     log_threshold = math.log(fast_threshold) if fast_threshold else None
     out = Accepted([], [])
     for i in range(n_draft + 1):
-        banned = rule.banned(draft[:i])
+        banned = bans[i] if i < len(bans) else rule.banned(draft[:i])
         target, best, lse, drafted = int(rows[i][0]), float(rows[i][1]), float(rows[i][2]), float(rows[i][3])
         if target in banned:  # rare: the argmax itself is banned; take the row's greedy choice after the bans
             row = logits_row(i)

@@ -197,18 +197,20 @@ class BatchEngine:
         prefix_bucket = bucket(max(r.prefix_len for r in live), PREFIX_BUCKETS)
         captures = self._captures()
         summary = self._run(n, w, min(prefix_bucket, self.kv.capacity))
-        # while the device runs the step: the bans of every row that verifies no draft (its only row's bans)
-        bans = [row.rule.banned() if not k else None for row, k in zip(live, ks)]
+        # while the device runs the step: each row's bans after each prefix of its host draft (the acceptance rule's
+        # only host work that grows with the draft); a device (block) draft is known only after the step
+        bans = [[row.rule.banned(draft[:i]) for i in range(k + 1 if draft else 1)]
+                for row, (_, draft, _), k in zip(live, plans, ks)]
         rows = summary.cpu().numpy()  # the one host sync of a step
         finished, counts = [], {}
-        for row, (name, _, _), k, banned in zip(live, plans, ks, bans):
+        for row, (name, _, _), k, row_bans in zip(live, plans, ks, bans):
             r = rows[row.index]
-            if not k and not banned:  # the common case: one token, the argmax
+            if not k and not row_bans[0]:  # the common case: one token, the argmax
                 row.take(int(r[0, 0]), float(r[0, 1] - r[0, 2]))
                 counts[row.index] = 1
                 continue
             res = accept(r, k, row.rule, self.eos, lambda i, b=row.index: self._logits_row(n, w, b, i),
-                         self.fast_threshold if self.mode == "fast" else None, self.strict)
+                         self.fast_threshold if self.mode == "fast" else None, self.strict, row_bans)
             row.commit(res, name, k)
             if k:
                 self.step_width.record(name, k, len(res.emitted) - 1)

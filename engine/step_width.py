@@ -15,6 +15,8 @@ to learn the costs.
 
 from __future__ import annotations
 
+import numpy as np
+
 PRIOR_WEIGHT = 4.0  # rounds of weight the drafter-wide record has against a row's own
 EMA = 0.2
 EXPLORE_EVERY = 64  # every this many steps the next narrower width is run instead, to keep its cost known
@@ -33,6 +35,7 @@ class StepWidth:
         self.records: dict[str, tuple[list[int], list[int]]] = {}  # drafter -> (accepted_at, proposed_at), all rows
         self.steps = 0
         self._seen: set[tuple[int, int, bool]] = set()
+        self._priors: dict[str, list[float]] = {}  # drafter -> its prior per position (see _prior)
 
     def record(self, drafter: str, proposed: int, accepted: int) -> None:
         """One verified draft of ``drafter`` over all rows: ``proposed`` tokens, the first ``accepted`` accepted."""
@@ -42,17 +45,26 @@ class StepWidth:
         for j in range(proposed):
             prop[j] += 1
             acc[j] += j < accepted
+        self._priors.pop(drafter, None)
 
     def accept_at(self, drafter: str, row_accepted: list[int], row_proposed: list[int], k: int) -> list[float]:
-        """Chance that each of a row's k draft positions is accepted (see the module docstring)."""
-        acc, prop = self.records.get(drafter, ([], []))
-        out = []
-        for j in range(k):
-            prior = (acc[j] + 1) / (prop[j] + 2) if j < len(prop) else (out[-1] if out else 0.5)
-            a = row_accepted[j] if j < len(row_accepted) else 0
-            p = row_proposed[j] if j < len(row_proposed) else 0
-            out.append((a + PRIOR_WEIGHT * prior) / (p + PRIOR_WEIGHT))
+        """Chance that each of a row's k draft positions is accepted (see the module docstring); a position no row has
+        been proposed yet takes the chance of the position before it (0.5 for the first)."""
+        prior = self._prior(drafter)
+        out = [(a + PRIOR_WEIGHT * q) / (p + PRIOR_WEIGHT) for a, p, q in zip(row_accepted, row_proposed, prior)]
+        out = out[:k] + prior[len(out) : k]
+        if len(out) < k:
+            out += [out[-1] if out else 0.5] * (k - len(out))
         return out
+
+    def _prior(self, drafter: str) -> list[float]:
+        """The drafter's record over all rows per draft position (Laplace-smoothed), kept until its next record: a
+        step computes it once, not once a row."""
+        prior = self._priors.get(drafter)
+        if prior is None:
+            acc, prop = self.records.get(drafter, ([], []))
+            prior = self._priors[drafter] = [(a + 1) / (p + 2) for a, p in zip(acc, prop)]
+        return prior
 
     def _cost(self, rows: int, width: int, block: bool) -> float | None:
         """Measured seconds of a step at this width; else interpolated between the nearest measured widths on either
@@ -78,10 +90,14 @@ class StepWidth:
         if widest == 1:
             return 1
         candidates = [w for w in self.widths if w < widest] + [next(w for w in self.widths if w >= widest)]
+        chances = np.zeros((len(wants), widest), dtype=np.float64)  # column m: the chance of draft position m
+        for i, p in enumerate(wants):
+            chances[i, 1 : 1 + len(p)] = p
+        committed = len(wants) + chances.sum(axis=0).cumsum()  # [m]: expected tokens of the rows with drafts cut to m
         best, best_rate = 1, -1.0
         for w in candidates:
             cost = self._cost(rows, w, block and w > 1) or 1.0
-            rate = sum(expected_tokens(p, w - 1) for p in wants) / cost
+            rate = float(committed[min(w - 1, widest - 1)]) / cost
             if rate > best_rate * 1.0001:
                 best, best_rate = w, rate
         self.steps += 1
