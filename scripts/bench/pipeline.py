@@ -24,24 +24,28 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
 
 def write_documents(folder: Path, docs: int, pages: int, seed0: int, scan: bool, ladder: bool = False) -> list[Path]:
-    from scripts.synth import HELD_OUT_LIMIT, make_document
-    from scripts.synth.ladder import ladder_document
+    from scripts.synth import HELD_OUT_LIMIT
 
     if seed0 + docs > HELD_OUT_LIMIT:
         raise SystemExit(f"held-out seeds must stay below {HELD_OUT_LIMIT:,}")
     folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for seed in range(seed0, seed0 + docs):
-        pdf = ladder_document(seed)[0] if ladder else make_document(seed, pages, scan=scan)[0]
-        path = folder / f"doc-{seed}.pdf"
-        path.write_bytes(pdf)
-        paths.append(path)
-    return paths
+    jobs = [(folder / f"doc-{seed}.pdf", seed, pages, scan, ladder) for seed in range(seed0, seed0 + docs)]
+    with ProcessPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1) or 1) as pool:
+        return list(pool.map(write_document, *zip(*jobs))) if jobs else []
+
+
+def write_document(path: Path, seed: int, pages: int, scan: bool, ladder: bool) -> Path:
+    from scripts.synth import make_document
+    from scripts.synth.ladder import ladder_document
+
+    path.write_bytes(ladder_document(seed)[0] if ladder else make_document(seed, pages, scan=scan)[0])
+    return path
 
 
 def config_text(args, max_batch: str, mode: str) -> str:
