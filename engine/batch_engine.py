@@ -248,9 +248,7 @@ class BatchEngine:
         if self.graphs is not None:
             try:
                 if not self.graphs.has((n, w, prefix_bucket)):  # every width of these rows at once
-                    for width in self.widths:
-                        if not self.graphs.has((n, width, prefix_bucket)):
-                            self.graphs.capture((n, width, prefix_bucket))
+                    self.graphs.capture_all([(n, width, prefix_bucket) for width in self.widths])
                 return self.graphs.replay((n, w, prefix_bucket))
             except GraphCaptureError as exc:
                 logger.opt(exception=exc).warning("CUDA graphs off, steps run eagerly from now on: {}", exc)

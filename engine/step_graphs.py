@@ -16,9 +16,11 @@ on. This module imports without CUDA; constructing `StepGraphs` needs it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Hashable
 
 import torch
+from loguru import logger
 
 WARMUP_RUNS = 2  # eager runs on the capture stream first (cuBLAS handles, lazy inits, autotuning)
 MAX_GROUPS = 4
@@ -50,11 +52,13 @@ class StepGraphs:
         self.max_groups = max_groups
         self._recent: list[Hashable] = []  # groups, least recently used first
         self.captured = 0  # captures so far (a caller can tell whether a call captured)
+        self.capture_s = 0.0  # wall time spent capturing (warm-up runs, first kernel compilations included)
 
     def has(self, key: tuple) -> bool:
         return key in self.graphs
 
     def capture(self, key: tuple) -> None:
+        t0 = time.perf_counter()
         self.touch(key[-1])
         try:
             current = torch.cuda.current_stream(self.device)
@@ -73,6 +77,16 @@ class StepGraphs:
                                     f"{' '.join(str(exc).split())[:400]}") from exc
         self.graphs[key] = (graph, outputs)
         self.captured += 1
+        self.capture_s += time.perf_counter() - t0
+
+    def capture_all(self, keys: list[tuple]) -> None:
+        """Capture every key not captured yet (the widths of one batch and prefix bucket); logged at debug level."""
+        before, count = self.capture_s, self.captured
+        for key in keys:
+            if key not in self.graphs:
+                self.capture(key)
+        logger.debug("captured {} step graphs ({}) in {:.2f}s; {} graphs, {:.1f}s in all", self.captured - count,
+                     keys[0][:1] + keys[0][2:], self.capture_s - before, self.captured, self.capture_s)
 
     def replay(self, key: tuple):
         if key not in self.graphs:

@@ -79,6 +79,9 @@ def one_setting(args, documents: list[Path], max_batch: str, mode: str, work: Pa
     if args.logs:
         args.logs.mkdir(parents=True, exist_ok=True)
         (args.logs / f"{mode}-{max_batch}.log").write_text(proc.stderr, encoding="utf-8")
+        detail = folder / "logs" / "uflash.log"  # the file log: DEBUG, millisecond times (graph captures among them)
+        if detail.exists():
+            (args.logs / f"{mode}-{max_batch}.debug.log").write_bytes(detail.read_bytes())
     row = {"max_batch": max_batch, "mode": mode, "exit_code": proc.returncode, "seconds": round(seconds, 2)}
     if proc.returncode != 0:
         row["stderr_tail"] = proc.stderr[-2000:]
@@ -127,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-pages", type=int, default=4)
     ap.add_argument("--max-tokens-per-page", type=int, default=1500)
     ap.add_argument("--formats", default="", help="[outputs] formats (default: the config's own)")
-    ap.add_argument("--logs", type=Path, help="folder for each setting's log (uflash run's stderr)")
+    ap.add_argument("--logs", type=Path, help="folder for each setting's logs (uflash run's stderr and its file log)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
