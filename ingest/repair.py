@@ -8,7 +8,8 @@ chunk, a chunk that returned another number of pages than it was given).
 ``repair_chunk``: a page of a multi-page chunk that fails one of those checks (``ingest.grading.checks``: it repeats
 another page of its chunk, its text is far shorter or longer than the print on the page, or its chunk came back
 with the wrong number of pages) is decoded again alone (the single-page prompt, the same mode and drafts). The
-reading kept is the one that fails fewer checks, and of two that fail as many, the one the model is more confident
+reading kept is the one that fails fewer checks, a reading that was cut off (the token limit, a repetition loop, the
+context) counting one more; of two that fail as many, the one not cut off, then the one the model is more confident
 of (the higher mean log-probability of its tokens: a copy of another page, written with confidence, does not win
 over a reading of the page itself). Both readings are recorded in ``stats.repair`` (text, confidence, checks), and
 the page keeps its chunk's place in the ledger: nothing is re-queued, no page moves.
@@ -85,6 +86,18 @@ def _reading(po: PageOutput, st: dict[str, Any], t: Thresholds) -> dict[str, Any
             "finish_reason": st["quality"].get("finish_reason"), "checks": checks(st["quality"], t)}
 
 
+CUT_OFF = ("length", "repetition", "context_limit")  # finish reasons of a reading that did not end by itself
+
+
+def keeps_alone(alone: dict[str, Any], chunk: dict[str, Any]) -> bool:
+    """Keep the reading alone over the chunk's (two ``_reading`` records)? The module's rule; a tie keeps it."""
+    def rank(r: dict[str, Any]) -> tuple:
+        cut = r["finish_reason"] in CUT_OFF
+        return len(r["checks"]) + cut, cut, -(r["confidence"] if r["confidence"] is not None else -1e9)
+
+    return rank(alone) <= rank(chunk)
+
+
 def repair_chunk(out: ChunkOutput, stats: list[dict[str, Any]], images: Sequence, text_layers: Sequence[str | None],
                  decode_alone: Callable[[int], ChunkOutput], tokenizer: Any, t: Thresholds,
                  first: int = 1) -> list[int]:
@@ -115,7 +128,7 @@ def repair_chunk(out: ChunkOutput, stats: list[dict[str, Any]], images: Sequence
             # read alone the page still says what page N says: the model cannot have copied a page it did not see
             alone_st["quality"]["repeats"] = {**rep, "confirmed": True}
             a["checks"] = checks(alone_st["quality"], t)
-        keep_alone = (len(a["checks"]), -(a["confidence"] or -1e9)) <= (len(c["checks"]), -(c["confidence"] or -1e9))
+        keep_alone = keeps_alone(a, c)
         why = [explain(code, chunk_st["quality"], short=True) for code in c["checks"]]
         record = {"checks": c["checks"], "why": why,
                   "kept": "alone" if keep_alone else "chunk", "chunk": c, "alone": a,

@@ -20,6 +20,7 @@ from ingest.ink import ink_text
 from ingest.intake import intake_file
 from ingest.quality import Thresholds
 from ingest.render import render_pages
+from ingest.repair import keeps_alone
 from ingest.worker import Worker
 from tests.conftest import make_pdf, serve_until, uflash, worker_config
 
@@ -205,6 +206,23 @@ def test_without_repair_a_copied_page_is_poor_with_or_without_a_text_layer(tmp_p
     assert q["grade"] == "poor" and q["reasons"] == ["repeats_page"] and q["repeats"]["page"] == 2
     assert (q["text_layer_ned"] is None) == scan  # the scan has no text layer; the grade is the same
     assert [p.stats["quality"]["grade"] for p in pages[:2]] == ["good", "good"]
+
+
+def test_repair_keeps_the_reading_with_fewer_failed_checks_and_counts_a_cut_off_reading_as_one_more():
+    def reading(checks_failed, finish="eos", confidence=-0.05):
+        return {"checks": checks_failed, "finish_reason": finish, "confidence": confidence}
+
+    copy = reading(["repeats_page"], confidence=-0.01)  # the chunk's: a confident copy of the page before
+    assert keeps_alone(reading([], confidence=-0.3), copy)  # fewer checks wins over confidence
+    assert not keeps_alone(reading(["text_vs_ink"], confidence=-0.3), copy)  # as many checks: the more confident
+    # read alone the page ran into its token limit (a loop, written with confidence): as bad as the copy, and of
+    # two as bad, the one that ended by itself
+    assert not keeps_alone(reading([], "length", confidence=0.0), copy)
+    assert not keeps_alone(reading([], "repetition", confidence=0.0), copy)
+    assert keeps_alone(reading([]), reading(["pages_mismatch"], "length"))
+    # a confidence of exactly 0.0 is a confidence, not a missing one
+    assert keeps_alone(reading(["text_vs_ink"], confidence=0.0), reading(["text_vs_ink"], confidence=-0.1))
+    assert keeps_alone(reading(["text_vs_ink"], confidence=-0.1), reading(["text_vs_ink"], confidence=None))
 
 
 class MergingDecoder(CopyingDecoder):
