@@ -85,8 +85,8 @@ class StepGraphs:
         for key in keys:
             if key not in self.graphs:
                 self.capture(key)
-        logger.debug("captured {} step graphs ({}) in {:.2f}s; {} graphs, {:.1f}s in all", self.captured - count,
-                     keys[0][:1] + keys[0][2:], self.capture_s - before, self.captured, self.capture_s)
+        logger.debug("captured {} step graphs (key {} ..) in {:.2f}s; {} graphs, {:.1f}s in all",
+                     self.captured - count, keys[0], self.capture_s - before, self.captured, self.capture_s)
 
     def replay(self, key: tuple):
         if key not in self.graphs:
