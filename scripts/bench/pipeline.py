@@ -6,8 +6,8 @@ For each ``engine.max_batch`` in ``--max-batch`` (e.g. ``1,auto``) a fresh ledge
 ``uflash run`` of every document in a subprocess (model load, graph capture and every other one-off cost
 included), timed from the command's start to its exit. Reported per setting: wall seconds, pages, pages per hour,
 pages per hour once the model is loaded (the run's opening in the ledger: imports and model load left out; graph
-capture kept), time to the first finished document (its ledger completion time after the command's start), output tokens,
-tokens per second of decoding, mean tau and the mean batch size pages were decoded in (``stats.batch_rows``).
+capture kept), time to the first finished document (its ledger completion time after the command's start), output
+tokens, tokens per second of decoding, mean tau and the mean batch size pages were decoded in (``stats.batch_rows``).
 Prints a table; the last line is one JSON object (also written to ``--json``).
 
     python -m scripts.bench.pipeline --docs 50 --doc-pages 4 --max-batch 1,auto --json $OUT/pipeline.json
@@ -141,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             docs = documents[: args.docs_at_batch_1] if max_batch == "1" and args.docs_at_batch_1 else documents
             report["settings"].append(one_setting(args, docs, max_batch, mode, work))
             print(json.dumps(report["settings"][-1]), flush=True)
-    print(f"\n{'mode':<9}{'max_batch':>9} {'pages':>6} {'seconds':>8} {'pages/h':>9} {'loaded p/h':>11} {'first doc s':>11}"
-          f" {'tok/s':>8} {'tau':>6} {'rows':>6}")
+    print(f"\n{'mode':<9}{'max_batch':>9} {'pages':>6} {'seconds':>8} {'pages/h':>9} {'loaded p/h':>11}"
+          f" {'first doc s':>11} {'tok/s':>8} {'tau':>6} {'rows':>6}")
     for r in report["settings"]:
         print(f"{r['mode']:<9}{r['max_batch']:>9} {r.get('pages', 0):>6} {r['seconds']:>8.1f}"
               f" {r.get('pages_per_hour', 0):>9.1f} {r.get('after_load_pages_per_hour') or 0:>11.1f}"
