@@ -23,6 +23,9 @@ if not torch.cuda.is_available():
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ROOT.parent / "shared" / "samples" / "real"
+DEMO = ROOT / "models" / "demo"  # the shipped demo model (with its block drafter)
+HAS_DEMO = all((DEMO / f).is_file() for f in ("config.json", "tokenizer.json", "drafter/drafter_config.json"))
+needs_demo = pytest.mark.skipif(not HAS_DEMO, reason="models/demo is not in this checkout")
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,10 @@ from PIL import Image, ImageDraw
 from engine.chunk_output import assemble
 from engine.official import DecodeResult
 from ingest.word_layout import GRID, layout_page, page_segments, plain_words
-from tests.conftest import ROOT, make_pdf, serve_until, uflash, worker_config
+from tests.conftest import DEMO, HAS_DEMO, ROOT, make_pdf, needs_demo, serve_until, uflash, worker_config
 
-DEMO = ROOT / "models" / "demo"
 SCHEMA = ROOT.parent / "shared" / "schemas" / "alto-4-4.xsd"
 ALTO = "{http://www.loc.gov/standards/alto/ns-v4#}"
-needs_demo = pytest.mark.skipif(not (DEMO / "tokenizer.json").is_file(), reason="models/demo is not in this checkout")
 
 PAGE_TEXTS = [
     "<|det|>title [100, 40, 900, 90]<|/det|>Stadtrat Protokoll 1923\n"
@@ -74,7 +72,7 @@ def test_word_boxes_split_the_element_by_lines_and_character_widths():
 # -- word confidences ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tokenizer():
-    if not (DEMO / "tokenizer.json").is_file():
+    if not HAS_DEMO:
         pytest.skip("models/demo is not in this checkout")
     from transformers import AutoTokenizer
 

@@ -3,20 +3,18 @@ follow it. Skips cleanly when the folder is absent (a checkout without the weigh
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pymupdf
 import pytest
 import torch
 
 from engine.drafters.markup import MarkupDrafter
 from engine.drafters.suffix_match import ReferenceDrafter
+from tests.conftest import DEMO, needs_demo
 
-DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
 SEEDS = range(880_000, 880_010)  # held out: below the generator's training seeds (>= 1,000,000)
 MAX_NEW_TOKENS = 400  # > 3x the 128-token window
 
-pytestmark = [pytest.mark.skipif(not (DEMO / "config.json").is_file(), reason="models/demo is not in this checkout"),
+pytestmark = [needs_demo,
               pytest.mark.usefixtures("one_torch_thread")]  # a busy 2-core box makes two OpenMP threads spin
 
 

@@ -6,8 +6,6 @@ transformers' own greedy ``generate()``."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from engine.batch_engine import BatchEngine
@@ -15,10 +13,9 @@ from engine.model import load_model
 from engine.ngram_rule import NoRepeatNgramRule
 from engine.official import official_generate
 from engine.tiny import build_tiny_model
-from tests.conftest import text_page
+from tests.conftest import DEMO, needs_demo, text_page
 
 WINDOW, NGRAM = 1024, 35  # the official multi-page rule
-DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -58,8 +55,7 @@ def test_the_multi_page_window_slides_past_the_prompt_and_decides_tokens_the_eng
             assert results[0].stats["accepted_tokens"] > len(expected) // 3
 
 
-@pytest.mark.skipif(not (DEMO / "drafter" / "drafter_config.json").is_file(),
-                    reason="models/demo (with its block drafter) is not in this checkout")
+@needs_demo
 def test_a_four_page_demo_chunk_is_lossless_with_the_block_drafter():
     """The demo model's own 4-page chunk of scan-like pages (what a user's document becomes through the pipeline):
     its prompt alone is longer than the rule's window, and 1,100 tokens later the window lies inside the output;

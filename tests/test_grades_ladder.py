@@ -10,17 +10,14 @@ import json
 from functools import lru_cache
 from types import SimpleNamespace
 
-import pytest
-
 from engine.chunk_output import assemble
 from engine.official import DecodeResult
 from scripts.eval import grades
 from scripts.eval.ladder_decode import decode_ladder, read_lines
 from scripts.synth.ladder import ladder_pages, ladder_rung
-from tests.conftest import ROOT
+from tests.conftest import DEMO, needs_demo
 
-DEMO = ROOT / "models" / "demo"
-pytestmark = pytest.mark.skipif(not (DEMO / "tokenizer.json").is_file(), reason="models/demo is not in this checkout")
+pytestmark = needs_demo
 SEED0 = 600_000  # 600000: 2 sparse pages, 600001: 2 dense scanned pages, 600002: 4 pages
 
 

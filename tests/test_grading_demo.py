@@ -12,10 +12,9 @@ from ingest.config import load_settings
 from ingest.grading import plain_text, repeats
 from ingest.quality import Thresholds, normalized_edit_distance
 from scripts.synth import make_document, strip_markup
-from tests.conftest import ROOT, uflash, write_config
+from tests.conftest import DEMO, ROOT, needs_demo, uflash, write_config
 
-DEMO = ROOT / "models" / "demo"
-pytestmark = pytest.mark.skipif(not (DEMO / "tokenizer.json").is_file(), reason="models/demo is not in this checkout")
+pytestmark = needs_demo
 
 # Pages the demo model reads correctly (CER <= 0.03 against the truth; the bundled example has no truth file but
 # reads word for word), with the grade the rules before calibration gave them (recorded with that code, this run):

@@ -18,9 +18,8 @@ from ingest.config import OrientationSettings
 from ingest.orientation import choose_turn, ragged_edges, stripe_ratio, turn
 from ingest.render import render_pages
 from ingest.searchable_pdf import write_searchable_pdf
-from tests.conftest import SAMPLES, make_pdf
+from tests.conftest import DEMO, SAMPLES, make_pdf, needs_demo
 
-DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
 CONFIG = OrientationSettings()
 
 
@@ -137,8 +136,8 @@ def test_the_real_turned_samples_are_looked_at_and_upright_real_pages_are_not():
         assert edges is None or edges >= CONFIG.upside_down_below, name
 
 
-@pytest.mark.skipif(not SAMPLES.is_dir() or not (DEMO / "config.json").is_file(),
-                    reason="needs ../shared/samples/real and models/demo")
+@needs_demo
+@pytest.mark.skipif(not SAMPLES.is_dir(), reason="needs ../shared/samples/real")
 def test_a_model_that_cannot_read_the_page_turns_nothing():
     """The demo model (synthetic pages only) cannot read the real sideways sheet: its probes are all low, and one
     of them (the wrong way, upside down) 0.1 above the page as it is; the floor keeps it from turning the page.
@@ -154,7 +153,7 @@ def test_a_model_that_cannot_read_the_page_turns_nothing():
         assert max(choice.scores.values()) < CONFIG.min_logprob and choice.turn == 0
 
 
-@pytest.mark.skipif(not (DEMO / "config.json").is_file(), reason="models/demo is not in this checkout")
+@needs_demo
 def test_the_demo_model_reads_a_turned_scan_as_it_reads_the_upright_one(tmp_path):
     """A synthetic scan put in a PDF sideways, and upside down: the worker turns it back (the demo model reads the
     upright page with clearly more confidence) and reads the same text as from the upright original; with the check

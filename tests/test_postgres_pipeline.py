@@ -19,7 +19,7 @@ from sqlalchemy import func, select
 from db.models import Chunk, ChunkStatus, Document, Duplicate, Page, Rejected, Run
 from db.session import Database
 from ingest.config import load_settings
-from tests.conftest import ROOT, fresh_pg_database, make_pdf, uflash, wait_until, worker_config
+from tests.conftest import DEMO, ROOT, fresh_pg_database, make_pdf, needs_demo, uflash, wait_until, worker_config
 from tests.pg_server import start_postgres
 
 OUTAGE_S = 30  # how long the database server stays down in the middle of a batch
@@ -159,7 +159,6 @@ def _status_lines(cfg: Path) -> list[str]:
     return uflash("--config", str(cfg), "status").stdout.splitlines()
 
 
-DEMO = ROOT / "models" / "demo"
 BURST = 20
 
 
@@ -175,7 +174,7 @@ def _burst(folder: Path) -> list[Path]:
     return files
 
 
-@pytest.mark.skipif(not (DEMO / "config.json").is_file(), reason="demo model absent")
+@needs_demo
 def test_two_watch_workers_on_postgresql_take_a_burst_of_20_documents(tmp_path, pg_server):
     """Two `uflash watch` processes on one PostgreSQL ledger and one shared inbox, 20 documents dropped at once: all
     are done, both workers decode, each page is stored once, and the texts equal those of one `uflash run` on a

@@ -10,7 +10,6 @@ image itself, so that a box drawn anywhere but on the print is the page's fault,
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -27,13 +26,12 @@ from ingest.intake import intake_file
 from ingest.orientation import ragged_edges, stripe_ratio
 from ingest.report import write_html_report
 from ingest.worker import Worker
-from tests.conftest import SAMPLES, serve_until, worker_config
+from tests.conftest import DEMO, SAMPLES, needs_demo, serve_until, worker_config
 
-DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
 WORDS = "minutes register parish entry accounts letter council year page record index deed".split()
 
 pytestmark = [pytest.mark.skipif(not SAMPLES.is_dir(), reason="../shared/samples/real not present"),
-              pytest.mark.skipif(not (DEMO / "tokenizer.json").is_file(), reason="models/demo is not in this checkout")]
+              needs_demo]
 
 
 def blocks(image, most: int = 10) -> list[tuple[int, int, int, int]]:
