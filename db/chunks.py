@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 
-from db.documents import settle
+from db.documents import PENDING, settle
 from db.models import Chunk, ChunkStatus, Page
 from db.queue import Claim, held
 from db.session import Database
@@ -98,7 +98,9 @@ def reserved_chunks(db: Database, run_id: int) -> list[Chunk]:
 
 def reserved_pending(db: Database, run_id: int) -> int:
     """How many chunks reserved for run ``run_id`` still wait (queued or running)."""
-    return sum(c.status in (ChunkStatus.QUEUED, ChunkStatus.RUNNING) for c in reserved_chunks(db, run_id))
+    with db.session() as s:
+        return s.scalar(select(func.count()).select_from(Chunk).where(
+            Chunk.run_id == run_id, Chunk.status.in_(PENDING)))
 
 
 def complete_chunk(db: Database, c: Claim, run_id: int | None = None) -> bool:

@@ -8,11 +8,9 @@ from typing import Any
 
 from sqlalchemy import func, select
 
+from db.documents import PENDING, WAITING
 from db.models import Chunk, ChunkStatus, DocStatus, Document, Duplicate, Page, Rejected, Run
 from db.session import Database, open_engine, schema_version
-
-WAITING = (DocStatus.QUEUED, DocStatus.RUNNING)
-PENDING = (ChunkStatus.QUEUED, ChunkStatus.RUNNING)
 
 
 def ledger_counts(db: Database, limit: int = 20) -> dict[str, Any]:

@@ -48,11 +48,6 @@ def set_page_stats(db: Database, stats: Mapping[int, dict[str, Any]]) -> None:
             conn.execute(update(P).where(P.c.id == page_id).values(stats=value))
 
 
-def pages_of_run(db: Database, run_id: int) -> list[Page]:
-    with db.session() as s:
-        return list(s.scalars(select(Page).where(Page.run_id == run_id).order_by(Page.document_id, Page.page_index)))
-
-
 def done_documents_with_pages_of_run(db: Database, run_id: int, doc_ids: Collection[int]) -> list[int]:
     """Of ``doc_ids``, the finished documents that run ``run_id`` stored pages of."""
     with db.session() as s:

@@ -67,12 +67,6 @@ def run_chunk_stats(db: Database, run_id: int) -> list[dict[str, Any]]:
         return [c.stats or {} for c in s.scalars(select(Chunk).where(Chunk.run_id == run_id).order_by(Chunk.id))]
 
 
-def last_page_at(db: Database, run_id: int) -> datetime | None:
-    """When run ``run_id`` stored its last page."""
-    with db.session() as s:
-        return s.scalar(select(func.max(Page.created_at)).where(Page.run_id == run_id))
-
-
 def close_run(db: Database, run_id: int) -> list[int]:
     """Close ``run_id`` (its own process ends it) and cancel the chunks still reserved for it; see ``end_run``."""
     with db.engine.begin() as conn:

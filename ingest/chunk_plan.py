@@ -70,7 +70,7 @@ def expected_tokens(text_chars: Sequence[int] | None, page_count: int, default_p
             for c in text_chars]
 
 
-_read: dict[str, int] = {}
+_read: dict[str, int | None] = {}  # model folder -> its tokens per page (None: it has no processor config)
 
 
 def model_tokens_per_page(model_path: str) -> int | None:
@@ -88,5 +88,5 @@ def model_tokens_per_page(model_path: str) -> int | None:
     except (OSError, ValueError, KeyError, TypeError) as e:
         logger.debug("no processor config in {} ({}): chunks planned for Unlimited-OCR's {} tokens a page",
                      model_path, e, UNLIMITED_OCR_TOKENS_PER_PAGE)
-        return None
+        _read[model_path] = None
     return _read[model_path]

@@ -9,7 +9,6 @@ failing disk is not the document's fault (ingest.errors): it waits and is finish
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,10 +33,10 @@ class Finisher:
     db: Database
     document_ids: frozenset[int] | None = None  # only these documents (uflash run FILE...); None: any
 
-    def finish_ready(self, doc_ids: Collection[int] | None = None) -> None:
-        """Finish the documents (of ``doc_ids``, else all of this worker's) whose chunks are all done but whose outputs
-        were not written (a crash between the last chunk and the outputs leaves exactly this)."""
-        for doc_id in unfinished_documents(self.db, self.document_ids if doc_ids is None else doc_ids):
+    def finish_ready(self) -> None:
+        """Finish this worker's documents whose chunks are all done but whose outputs were not written (a crash between
+        the last chunk and the outputs leaves exactly this)."""
+        for doc_id in unfinished_documents(self.db, self.document_ids):
             if ready_to_finish(self.db, doc_id):
                 self.finish(doc_id)
 

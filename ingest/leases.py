@@ -4,9 +4,8 @@ worker drops that chunk's result when it ends. A failed beat (the ledger in trou
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Collection, Iterator
+from collections.abc import Collection
 from datetime import datetime
 
 from loguru import logger
@@ -17,7 +16,7 @@ from ingest.config import WorkerSettings
 
 
 class LeaseKeeper:
-    """``with keeper:`` runs the heartbeat thread; ``hold(c)`` / ``drop(c)`` (or ``with keeper.holding(c):``) say
+    """``with keeper:`` runs the heartbeat thread; ``hold(c)`` / ``drop(c)`` say
     which leases it renews; ``lost(c)`` tells whether ``c``'s lease was found taken over."""
 
     def __init__(self, db: Database, worker: WorkerSettings):
@@ -40,14 +39,6 @@ class LeaseKeeper:
     def lost(self, c: Claim) -> bool:
         with self._lock:
             return c.chunk_id in self._lost
-
-    @contextlib.contextmanager
-    def holding(self, c: Claim) -> Iterator[None]:
-        self.hold(c)
-        try:
-            yield
-        finally:
-            self.drop(c)
 
     def beat(self) -> None:
         """Renew every lease held now (one transaction)."""

@@ -19,7 +19,6 @@ from typing import Any
 from loguru import logger
 
 from db.chunks import split_chunk
-from db.models import ChunkStatus
 from db.queue import Claim, fail
 from db.session import Database
 from engine.chunk_output import ChunkOutput
@@ -33,16 +32,19 @@ WHY_CUT = {"context_limit": "output reached the context limit; ",
 
 def requeued_ranges(c: Claim, out: ChunkOutput) -> list[tuple[int, int]]:
     """The page ranges to decode again as new chunks (see the module docstring); empty when the chunk is done."""
-    if not out.requeue:
-        return []
-    kept, n_in = len(out.pages), c.last_page - c.first_page + 1
-    first_left = c.first_page + kept
-    if out.finish_reason in WHY_CUT and first_left < c.last_page:
-        return [(first_left, first_left), (first_left + 1, c.last_page)]
+    return requeue_rule(c.first_page, c.last_page, len(out.pages), out.finish_reason) if out.requeue else []
+
+
+def requeue_rule(first: int, last: int, kept: int, finish: str) -> list[tuple[int, int]]:
+    """The split rules of the module docstring for a chunk of pages ``first .. last`` that kept ``kept`` pages and
+    asked to be queued again."""
+    first_left = first + kept
+    if finish in WHY_CUT and first_left < last:
+        return [(first_left, first_left), (first_left + 1, last)]
     if kept == 0:
-        mid = c.first_page + n_in // 2 - 1
-        return [(c.first_page, mid), (mid + 1, c.last_page)]
-    return [(first_left, c.last_page)]
+        mid = first + (last - first + 1) // 2 - 1
+        return [(first, mid), (mid + 1, last)]
+    return [(first_left, last)]
 
 
 def chunk_note(out: ChunkOutput, ranges: list[tuple[int, int]]) -> str | None:
@@ -76,14 +78,14 @@ def checked_stats(settings: Settings, chunk: PreparedChunk, out: ChunkOutput, to
     return stats
 
 
-def page_rows(chunk: PreparedChunk, out: ChunkOutput, page_stats: list[dict[str, Any]], mode: str | None,
-              batch_rows: int = 1) -> list[dict[str, Any]]:
+def page_rows(chunk: PreparedChunk, out: ChunkOutput, page_stats: list[dict[str, Any]],
+              mode: str | None) -> list[dict[str, Any]]:
     """The ledger rows (``Page`` columns) of the pages the chunk kept: text, boxes, the decoder's stats with the
     page's figures and word confidences (``page_stats``, from ``checked_stats``), the number of chunks decoding
-    together when it was decoded (``batch_rows``), its orientation and notes."""
+    together when it was decoded (``batch_rows``: the engine's, else 1), its orientation and notes."""
     c, rows = chunk.claim, []
     for po, rendered, extra in zip(out.pages, chunk.pages, page_stats):
-        stats = {"batch_rows": batch_rows, **po.stats, "chunk_id": c.chunk_id,
+        stats = {"batch_rows": 1, **po.stats, "chunk_id": c.chunk_id,
                  "chunk_pages": f"{c.first_page}-{c.last_page}", "mode": mode, **extra}
         notes = [out.note] if out.note else []
         if (choice := chunk.turned.get(rendered.index)) is not None:
@@ -114,7 +116,7 @@ def decode_failed(settings: Settings, db: Database, c: Claim, label: str, e: Bas
     """A chunk whose decode raised ``e`` (not the ledger's or the machine's trouble): split or retried or failed."""
     w = settings.worker
     if is_out_of_memory(e):
-        n = c.last_page - c.first_page + 1
+        n = len(c.pages)
         if n > 1:
             mid = c.first_page + n // 2 - 1
             note = f"out of memory with {n} pages ({e.__class__.__name__}); split into " \
@@ -127,7 +129,3 @@ def decode_failed(settings: Settings, db: Database, c: Claim, label: str, e: Bas
         reason = f"{type(e).__name__}: {e}"
     status = fail(db, c, reason, w.max_attempts, w.backoff_seconds)
     logger.opt(exception=not is_out_of_memory(e)).error("{}: {} -> {}", label, reason, status or "lease lost")
-
-
-def stored_status(ranges: list[tuple[int, int]]) -> ChunkStatus:
-    return ChunkStatus.SPLIT if ranges else ChunkStatus.DONE

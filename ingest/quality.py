@@ -26,12 +26,9 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Hashable, Sequence
-from dataclasses import asdict
 from typing import Any
 
 from ingest.config import Thresholds
-
-GRADES = ("good", "fair", "poor")
 
 
 def distinct_n(ids: Sequence[Hashable], n: int) -> float | None:
@@ -142,15 +139,6 @@ def page_quality(raw_finish: str, ids: Sequence[int], logprobs: Sequence[float] 
         "text_layer_ned": (_round(normalized_edit_distance(_words(text), layer))
                            if len(layer) >= t.text_layer_min_chars else None),
     }
-
-
-def thresholds_from(values: dict[str, Any] | None) -> Thresholds:
-    """Thresholds with the given fields replaced (unknown names raise TypeError)."""
-    return Thresholds(**(values or {}))
-
-
-def thresholds_dict(t: Thresholds) -> dict[str, Any]:
-    return asdict(t)
 
 
 def _round(v: float | None, digits: int = 4) -> float | None:

@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from db.runs import get_run, last_page_at, latest_run_with_pages, run_pages
+from db.runs import get_run, latest_run_with_pages, run_pages
 from db.session import Database
 from ingest.errors import UsageError
 from ingest.orientation import page_turn
@@ -55,7 +55,8 @@ def collect_report(db: Database, run_id: int | None = None, grade: str | None = 
     return {"run": {"id": run.id, "mode": run.mode, "model": run.model, "started_at": run.started_at.isoformat(),
                     "finished_at": run.finished_at.isoformat() if run.finished_at else None,
                     "end_reason": run.end_reason, "owner": run.owner, "settings": run.settings,
-                    "pages_per_hour": pages_per_hour(len(rows), run.started_at, last_page_at(db, run_id))},
+                    "pages_per_hour": pages_per_hour(len(rows), run.started_at,
+                                                   max((p.created_at for p, _ in rows), default=None))},
             "documents": list(docs.values()), "pages": n_pages, "grades": grades}
 
 

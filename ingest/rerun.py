@@ -20,10 +20,9 @@ from typing import Any
 from loguru import logger
 
 from db.chunks import chunk_ranges, queue_reserved, reserved_chunks, reserved_pending
-from db.documents import documents
 from db.models import ChunkStatus, Page
-from db.pages import latest_pages, pages_of_run
-from db.runs import get_run
+from db.pages import latest_pages
+from db.runs import get_run, run_pages
 from db.session import Database
 from ingest.config import Settings
 from ingest.errors import UsageError
@@ -144,14 +143,14 @@ def diff_runs(db: Database, run_a: int, run_b: int) -> dict[str, Any]:
     for r in (run_a, run_b):
         if get_run(db, r) is None:
             raise UsageError(f"no run {r}")
-    a = {(p.document_id, p.page_index): p for p in pages_of_run(db, run_a)}
-    b = {(p.document_id, p.page_index): p for p in pages_of_run(db, run_b)}
-    names = {d.id: d.original_name for d in documents(db, {k[0] for k in a.keys() & b.keys()})}
+    a = {(p.document_id, p.page_index): (p, d) for p, d in run_pages(db, run_a)}
+    b = {(p.document_id, p.page_index): (p, d) for p, d in run_pages(db, run_b)}
     rows = []
     for key in sorted(a.keys() & b.keys()):
-        ned = normalized_edit_distance(a[key].text, b[key].text)
-        rows.append({"document_id": key[0], "document": names.get(key[0]), "page": key[1],
-                     "edit_distance": round(ned, 6), "identical": a[key].text == b[key].text})
+        (pa, doc), (pb, _) = a[key], b[key]
+        ned = normalized_edit_distance(pa.text, pb.text)
+        rows.append({"document_id": key[0], "document": doc.original_name, "page": key[1],
+                     "edit_distance": round(ned, 6), "identical": pa.text == pb.text})
     dists = [r["edit_distance"] for r in rows]
     return {"run_a": run_a, "run_b": run_b, "pages": rows, "common_pages": len(rows),
             "only_in_a": len(a.keys() - b.keys()), "only_in_b": len(b.keys() - a.keys()),

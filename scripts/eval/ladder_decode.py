@@ -5,7 +5,7 @@ first step of ``python -m scripts.eval.grades`` (its ``decode`` command runs ``d
   pipeline renders them, and the print on each page measured by ``ingest.ink``, as the worker measures it);
 - each document is one chunk of 1-4 pages, decoded by the batched engine (``engine.chunk_decode.EngineDecoder``,
   many chunks in flight); a chunk that comes back short is followed by the chunks the worker would queue
-  (``requeue_chunks``);
+  (``ingest.outcome.requeue_rule``);
 - once a document is read, the pages of its multi-page chunks that the repair checks catch (``ingest.grading.checks``
   under the loosest thresholds ``table --fit`` may choose, ``LOOSE_INK``) are decoded again alone (the single-page
   prompt, the same mode): ``ingest.repair`` picks between the two readings when the table is made.
@@ -66,17 +66,6 @@ def _render_worker_init() -> None:
         os.nice(5)
     except OSError:
         pass
-
-
-def requeue_chunks(first: int, last: int, kept: int, finish: str) -> list[tuple[int, int]]:
-    """The chunks the worker queues after a chunk that kept ``kept`` of its pages (ingest/worker.py's rule)."""
-    first_left = first + kept
-    if finish in ("context_limit", "length") and first_left < last:
-        return [(first_left, first_left), (first_left + 1, last)]
-    if kept == 0:
-        mid = first + (last - first + 1) // 2 - 1
-        return [(first, mid), (mid + 1, last)]
-    return [(first_left, last)]
 
 
 def page_record(po) -> dict[str, Any]:
@@ -185,6 +174,7 @@ def decode_ladder(folder: Path, model: str, docs: int, seed0: int = SEED0, devic
     pool = mp.get_context("spawn").Pool(procs, initializer=_render_worker_init)
 
     from engine.loading import load_decoder
+    from ingest.outcome import requeue_rule
     from ingest.quality import Thresholds
 
     if decoder is None:
@@ -264,7 +254,7 @@ def decode_ladder(folder: Path, model: str, docs: int, seed0: int = SEED0, devic
                                       "pages": [page_record(p) for p in out.pages]})
                 doc["open"] -= 1
                 if out.requeue:
-                    for na, nb in requeue_chunks(a, b, len(out.pages), out.finish_reason):
+                    for na, nb in requeue_rule(a, b, len(out.pages), out.finish_reason):
                         waiting.append((("chunk", seed, na, nb), images[seed][na - 1 : nb]))
                         doc["open"] += 1
                 if doc["open"] == 0:
