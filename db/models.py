@@ -139,7 +139,7 @@ class Run(Base):
     model: Mapped[str] = mapped_column(Text)
     engine_version: Mapped[str] = mapped_column(String(32))
     host: Mapped[str | None] = mapped_column(String(255), default=None)
-    owner: Mapped[str | None] = mapped_column(String(255), default=None)  # host:pid:started (ingest.owners)
+    owner: Mapped[str | None] = mapped_column(String(255), default=None)  # host:pid:started (ingest.ledger.owners)
     settings: Mapped[dict[str, Any] | None] = mapped_column(default=None)
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(default=None)

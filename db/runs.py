@@ -4,7 +4,7 @@ Contract:
 - A run is open while ``finished_at`` is None. Its own process closes it (``end_reason`` closed) when its command
   ends, Ctrl+C and SIGTERM included. A run whose owner process is gone (killed, crashed, the machine rebooted)
   is closed by the next uflash process that finds it (``end_reason`` crashed, ``finished_at`` = the time of its
-  last stored page, or its start when it stored none). Gone means: known gone on this host (ingest.owners), or,
+  last stored page, or its start when it stored none). Gone means: known gone on this host (ingest.ledger.owners), or,
   for a re-run on any host, one of its reserved chunks has been running on an ended lease for longer than a
   lease (a live re-run takes its own chunk back within a poll).
 - Chunks reserved for a run (a re-run's: ``run_id`` set while queued) are taken by that run only. When the run

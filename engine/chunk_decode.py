@@ -9,7 +9,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.chunk_output import ChunkOutput, assemble, no_room
-from engine.model import LoadedModel
+from engine.model.load import LoadedModel
 from engine.official import DecodeResult, decode_text, official_generate
 
 MIN_NEW_TOKENS = 16
@@ -105,7 +105,7 @@ SHARED_STATS = ("verify_rounds", "single_steps", "draft_tokens", "accepted_token
 
 
 class EngineDecoder:
-    """`engine.batch_engine.BatchEngine` as a ChunkDecoder (modes plain, lossless, fast): ``decode`` runs one chunk
+    """`engine.batch.engine.BatchEngine` as a ChunkDecoder (modes plain, lossless, fast): ``decode`` runs one chunk
     to its end; ``submit`` / ``poll`` keep many in flight (the batch worker). Every chunk's tokens equal official
     ``generate()`` of that chunk alone (fast mode: relaxed, never cut short)."""
 

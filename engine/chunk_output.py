@@ -8,7 +8,7 @@ The decoder runs one pass over the chunk's pages and hands back the pages it can
   and the rest asked to be re-queued (the worker sends the page the output was cut on back alone, and the
   pages after it as a chunk of their own).
 A single page always yields exactly one page; cut at the limit, its finish reason says so.
-Each kept page carries its own token ids and their log-probabilities (for ``ingest.quality``): the output
+Each kept page carries its own token ids and their log-probabilities (for ``ingest.quality.measures``): the output
 split at the page separator token (separator and EOS left out), or, when the separator is not one token,
 a share of the output proportional to the page's text.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.model import PAGE_SEPARATOR
+from engine.model.load import PAGE_SEPARATOR
 from engine.official import DecodeResult, parse_elements, split_pages
 
 

@@ -7,21 +7,21 @@ import torch
 from loguru import logger
 
 from engine.chunk_decode import ChunkDecoder, EngineDecoder, OfficialDecoder, prompt_length
-from engine.model import LoadedModel
+from engine.model.load import LoadedModel
 
 
 def load_decoder(path: str, device: str = "auto", dtype: str = "auto", mode: str = "official",
                  fast_threshold: float | None = None, max_batch: int | str = 1, kernels: str = "auto",
                  max_pages_per_chunk: int = 0) -> ChunkDecoder:
     """official: transformers generate(); plain / lossless / fast: `BatchEngine` (CUDA graphs on a GPU) with
-    ``max_batch`` rows (``auto``: as many as the free GPU memory holds, `engine.memory.auto_batch`; 1 on the CPU).
-    kernels: ``torch`` or ``invariant`` (`engine.forward`); ``auto`` = invariant in bf16/fp16 on CUDA, so that a
+    ``max_batch`` rows (``auto``: as many as the free GPU memory holds, `engine.batch.memory.auto_batch`; 1 on the CPU).
+    kernels: ``torch`` or ``invariant`` (`engine.model.forward`); ``auto`` = invariant in bf16/fp16 on CUDA, so that a
     chunk's tokens do not depend on its batch. lossless and fast also draft with the checkpoint's block drafter
     when it has one (`load_block_drafter`). max_pages_per_chunk: sizes the rows' prefix region up front."""
-    from engine.batch_engine import BatchEngine
-    from engine.memory import auto_batch
-    from engine.model import load_model
-    from engine.rows import MODES
+    from engine.batch.engine import BatchEngine
+    from engine.batch.memory import auto_batch
+    from engine.batch.rows import MODES
+    from engine.model.load import load_model
 
     if mode != "official" and mode not in MODES:
         raise ValueError(f"engine mode {mode!r} is not available; use 'official', 'plain', 'lossless' or 'fast'")
@@ -41,7 +41,7 @@ def load_decoder(path: str, device: str = "auto", dtype: str = "auto", mode: str
 
 
 def default_kernels(loaded: LoadedModel) -> str:
-    """The step kernels for ``loaded`` (`engine.forward`): ``invariant`` in bf16/fp16 on CUDA, so that a chunk's
+    """The step kernels for ``loaded`` (`engine.model.forward`): ``invariant`` in bf16/fp16 on CUDA, so that a chunk's
     tokens do not depend on its batch; ``torch`` otherwise (fp32 is exact with either)."""
     return "invariant" if loaded.device.type == "cuda" and loaded.dtype != torch.float32 else "torch"
 

@@ -17,6 +17,9 @@ from collections import defaultdict
 
 import torch
 
+from engine.model.load import LoadedModel
+from engine.official import official_generation_config
+
 
 class NoRepeatNgramRule:
     def __init__(self, ngram_size: int, window_size: int, prompt_ids: list[int]):
@@ -71,3 +74,22 @@ def greedy_token(logits: torch.Tensor, banned: set[int]) -> int:
         logits = logits.clone()
         logits[banned] = -float("inf")
     return int(logits.argmax())
+
+
+def official_rule(loaded: LoadedModel, prompt_kind: str) -> tuple[int, int]:
+    """(ngram_size, window_size) of the rule generate() installs with the official config (merged with the
+    checkpoint's generation config, as generate does); raises if generate would also apply any other logits
+    processor or stopping rule than EOS and max_new_tokens (the engine would then not be exact)."""
+    from transformers.models.unlimited_ocr.generation_unlimited_ocr import (
+        UnlimitedOcrSlidingWindowNoRepeatNgramLogitsProcessor as Rule,
+    )
+
+    config, _ = loaded.model._prepare_generation_config(official_generation_config(loaded, prompt_kind, 1))
+    processors = loaded.model._get_logits_processor(config, input_ids_seq_length=1, device="cpu", model_kwargs={})
+    others = [type(p).__name__ for p in processors if not isinstance(p, Rule)]
+    rules = [p for p in processors if isinstance(p, Rule)]
+    if others or len(rules) != 1:
+        raise ValueError(f"official generate uses logits processors the engine does not reproduce: {others}")
+    if config.stop_strings is not None or config.max_time is not None:
+        raise ValueError("official generate stops on stop_strings or max_time; the engine does not reproduce that")
+    return rules[0].ngram_size, rules[0].window_size

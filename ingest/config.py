@@ -62,7 +62,7 @@ class EngineSettings(_Section):
 @dataclass(frozen=True)
 class Thresholds:
     """The ``[quality]`` section of config.toml: the parameters of the figures computed here, and the thresholds
-    of the grade (``ingest.grading``: a page is *poor* when any poor rule fires, *fair* when any fair rule fires,
+    of the grade (``ingest.quality.grades``: a page is *poor* when any poor rule fires, *fair* when any fair rule fires,
     else *good*; rules whose figure is missing do not fire). The grading thresholds were chosen on a labelled
     ladder against the truth (docs/grades.md)."""
 
@@ -93,7 +93,7 @@ class Thresholds:
 
 class QualitySettings(_Section):
     """``[quality]``: the fields of ``Thresholds`` (each documented there; defaults are the dataclass's), and whether
-    pages caught by the checks are decoded again alone (ingest.repair)."""
+    pages caught by the checks are decoded again alone (ingest.quality.repair)."""
 
     __annotations__ = {**{f: type(v) for f, v in vars(Thresholds()).items()}, "repair": bool}
     locals().update(vars(Thresholds()))
@@ -104,7 +104,7 @@ class QualitySettings(_Section):
 
 
 class OrientationSettings(_Section):
-    """``[orientation]``: scans turned sideways or upside down (ingest.orientation says how each key is used)."""
+    """``[orientation]``: scans turned sideways or upside down (ingest.pages.orientation says how each key is used)."""
 
     auto: bool = True
     sideways_below: float = Field(default=0.75, gt=0.0)  # stripe_ratio below this: probed for a quarter turn
@@ -115,8 +115,9 @@ class OrientationSettings(_Section):
 
 
 class OutputSettings(_Section):
-    """What each finished document gets in the outbox (ingest.outputs): md (document.md), json (document.json, always
-    written: uflash reads it back), pdf (document.pdf, PDF/A-2b), alto (alto/<page>.xml), hocr (document.hocr)."""
+    """What each finished document gets in the outbox (ingest.outputs.write): md (document.md), json (document.json,
+    always written: uflash reads it back), pdf (document.pdf, PDF/A-2b), alto (alto/<page>.xml), hocr
+    (document.hocr)."""
 
     formats: list[Literal["md", "json", "pdf", "alto", "hocr"]] = ["md", "json", "pdf", "alto"]
 

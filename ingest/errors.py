@@ -1,4 +1,5 @@
-"""The exit codes and the typed errors. The CLI (ingest.cli.main) maps each error to its exit code, at that one edge.
+"""The exit codes and the typed errors. The CLI (ingest.commands.cli.main) maps each error to its exit code, at that
+one edge.
 
 An error of the ledger or of the machine (``infrastructure_problem``) is told apart from a problem of a file here, in
 one place: nothing is ever rejected or failed for the former.

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-# Without CUDA, Triton kernels (engine.invariant_kernels) run under Triton's interpreter; it must be on before
+# Without CUDA, Triton kernels (engine.kernels.invariant) run under Triton's interpreter; it must be on before
 # anything imports triton.language (transformers' generate() does).
 import torch  # noqa: E402
 
@@ -137,14 +137,14 @@ def make_pdf(path: Path, pages: list[str] | int = 1, size: tuple[float, float] =
 def uflash(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run the real ``uflash`` command in a subprocess."""
     e = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "ingest.cli", *args], cwd=cwd or ROOT, env=e,
+    return subprocess.run([sys.executable, "-m", "ingest.commands.cli", *args], cwd=cwd or ROOT, env=e,
                           capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny random-weight Unlimited-OCR saved with its processor (R-SWA window 8), built once per session."""
-    from engine.tiny import build_tiny_model
+    from engine.model.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-shared") / "model", sliding_window=8, seed=0)
 
@@ -190,7 +190,7 @@ def serve_until(worker, until, timeout: float = 300) -> None:
 def probed_samples():
     """(path, Probed) of every real sample file the intake accepts (../shared/samples/real)."""
     from ingest.errors import InputRejected
-    from ingest.probe import probe_file
+    from ingest.intake.probe import probe_file
 
     for path in sorted(SAMPLES.iterdir()):
         try:

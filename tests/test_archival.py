@@ -18,7 +18,7 @@ from PIL import Image, ImageDraw
 
 from engine.chunk_output import assemble
 from engine.official import DecodeResult
-from ingest.word_layout import GRID, layout_page, page_segments, plain_words
+from ingest.reading.words import GRID, layout_page, page_segments, plain_words
 from tests.conftest import DEMO, HAS_DEMO, ROOT, make_pdf, needs_demo, serve_until, uflash, worker_config
 
 SCHEMA = ROOT.parent / "shared" / "schemas" / "alto-4-4.xsd"
@@ -84,7 +84,7 @@ def ids_of(tokenizer, text):
 
 
 def test_a_planted_low_probability_token_gives_its_word_the_lowest_confidence(tokenizer):
-    from ingest.word_confidence import char_tokens, token_bytes, word_confidences
+    from ingest.reading.confidence import char_tokens, token_bytes, word_confidences
 
     text = PAGE_TEXTS[0]
     ids = ids_of(tokenizer, text)
@@ -110,7 +110,7 @@ def test_a_planted_low_probability_token_gives_its_word_the_lowest_confidence(to
 
 
 def test_a_character_split_over_two_tokens_counts_for_both():
-    from ingest.word_confidence import char_tokens
+    from ingest.reading.confidence import char_tokens
 
     text, owners = char_tokens(["ä".encode()[:1], "ä".encode()[1:] + b"b", b" c"])
     assert text == "äb c" and owners[0] == (0, 1) and owners[1] == (1, 1) and owners[3] == (2, 2)
@@ -165,8 +165,8 @@ def archived(tmp_path_factory, tokenizer, tiny_model_dir):
     """A 2-page scan (text, a table, pictures) decoded by the worker and written in every format."""
     from db.session import Database
     from ingest.config import load_settings
-    from ingest.intake import intake_file
-    from ingest.worker import Worker
+    from ingest.intake.enqueue import intake_file
+    from ingest.worker.worker import Worker
 
     tmp = tmp_path_factory.mktemp("archived")
     cfg = worker_config(tmp, tiny_model_dir, orientation={"auto": False},
@@ -182,7 +182,7 @@ def archived(tmp_path_factory, tokenizer, tiny_model_dir):
 
 
 def test_every_alto_file_validates_and_carries_the_words_and_their_confidences(archived):
-    from ingest.word_layout import stored_layout
+    from ingest.reading.words import stored_layout
 
     schema = etree.XMLSchema(etree.parse(str(SCHEMA)))  # imports the local xlink.xsd: no network
     files = sorted((archived.folder / "alto").iterdir())
@@ -217,7 +217,7 @@ def test_every_alto_file_validates_and_carries_the_words_and_their_confidences(a
 def test_the_hocr_parses_with_an_hocr_library_and_carries_the_same_words_and_boxes(archived):
     from hocr.parse import hocr_page_get_dimensions, hocr_page_iterator, hocr_page_to_word_data
 
-    from ingest.word_layout import stored_layout
+    from ingest.reading.words import stored_layout
 
     seen = 0
     for hp, page in zip(hocr_page_iterator(str(archived.folder / "document.hocr")), archived.meta["pages"]):
@@ -240,7 +240,7 @@ def _fonts(pdf: pikepdf.Pdf):
 
 
 def test_the_pdf_is_pdfa_2b_with_embedded_fonts_and_each_word_inside_its_element(archived):
-    from ingest.word_layout import page_segments
+    from ingest.reading.words import page_segments
 
     with pikepdf.open(archived.folder / "document.pdf") as pdf:
         meta = pdf.open_metadata()
@@ -271,11 +271,11 @@ def test_the_pdf_is_pdfa_2b_with_embedded_fonts_and_each_word_inside_its_element
 
 # -- pages read turned, born-digital pages, no OCRmyPDF ------------------------------------------------------------
 def test_a_page_read_turned_says_so_and_is_laid_out_as_read(tmp_path):
-    from ingest.alto import write_alto
+    from ingest.outputs.alto import write_alto
 
     page = {"index": 1, "text": PAGE_TEXTS[1], "run_id": 1,
             "stats": {"image_size": [1024, 724], "orientation": {"turned": 90}, "mode": "lossless"}}
-    from ingest.word_layout import stored_layout
+    from ingest.reading.words import stored_layout
 
     layout = stored_layout(page)
     (f,) = write_alto(tmp_path, [layout], {"name": "quer.pdf", "page_count": 1}, {"id": 1, "model": "m"}, [page])
@@ -290,7 +290,7 @@ def test_a_page_read_turned_says_so_and_is_laid_out_as_read(tmp_path):
 def test_born_digital_pages_keep_their_own_text(tmp_path):
     from loguru import logger
 
-    from ingest.pdfa import write_document_pdf
+    from ingest.outputs.pdfa import write_document_pdf
 
     doc = pymupdf.open(make_pdf(tmp_path / "digital.pdf", ["Original layer text"]))
     doc.insert_pdf(pymupdf.open(scanned_pdf(tmp_path / "scan.pdf", 1, size=(595, 842))))
@@ -320,7 +320,7 @@ def test_born_digital_pages_keep_their_own_text(tmp_path):
 def test_without_ocrmypdf_the_searchable_pdf_is_written_and_the_reason_logged(tmp_path, monkeypatch):
     from loguru import logger
 
-    from ingest.pdfa import write_document_pdf
+    from ingest.outputs.pdfa import write_document_pdf
 
     monkeypatch.setitem(sys.modules, "ocrmypdf", None)  # import ocrmypdf -> ImportError
     pages = [{"index": 1, "text": PAGE_TEXTS[1], "stats": {"image_size": [768, 1024]}}]
@@ -374,7 +374,7 @@ def test_a_rerun_rewrites_every_format(tmp_path, tiny_model_dir):
 # -- uflash as OCRmyPDF's engine ----------------------------------------------------------------------------------
 @needs_demo
 def test_ocrmypdf_with_the_uflash_plugin_writes_the_text_uflash_run_writes(tmp_path):
-    """A 2-page scan: ``ocrmypdf --plugin ingest.ocrmypdf_plugin`` (demo model, CPU) writes a PDF/A whose text, page
+    """A 2-page scan: ``ocrmypdf --plugin ingest.commands.ocrmypdf_plugin`` (demo model, CPU) writes a PDF/A whose text, page
     by page and word for word, is what ``uflash run`` writes for the same file."""
     from scripts.synth import make_document
     from tests.conftest import write_config
@@ -389,7 +389,7 @@ def test_ocrmypdf_with_the_uflash_plugin_writes_the_text_uflash_run_writes(tmp_p
     meta = json.loads((tmp_path / "outbox" / "scan" / "document.json").read_text(encoding="utf-8"))
     assert all(plain_words(p["text"]) for p in meta["pages"])
     out = tmp_path / "ocrmypdf.pdf"
-    r = subprocess.run([sys.executable, "-m", "ocrmypdf", "--plugin", "ingest.ocrmypdf_plugin", "--uflash-config",
+    r = subprocess.run([sys.executable, "-m", "ocrmypdf", "--plugin", "ingest.commands.ocrmypdf_plugin", "--uflash-config",
                         str(cfg), str(scan), str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
     with pymupdf.open(out) as doc:
@@ -401,7 +401,7 @@ def test_ocrmypdf_with_the_uflash_plugin_writes_the_text_uflash_run_writes(tmp_p
 
 
 def test_a_page_read_turned_is_shown_turned_in_the_pdfa_with_its_words_upright(tmp_path):
-    from ingest.pdfa import write_document_pdf
+    from ingest.outputs.pdfa import write_document_pdf
 
     img = Image.new("L", (1200, 1600), 255)
     ImageDraw.Draw(img).rectangle([0, 0, 200, 200], fill=0)  # a mark in the scan's top left corner

@@ -14,15 +14,15 @@ import random
 import pytest
 import torch
 
-import engine.acceptance
-from engine.batch_engine import BatchEngine
+import engine.batch.acceptance
+from engine.batch.engine import BatchEngine
+from engine.batch.step_width import StepWidth, expected_tokens
 from engine.drafters.suffix_match import ReplayDrafter
-from engine.kv_slots import PREFIX_BUCKETS, bucket, pow2_buckets
-from engine.model import load_model
+from engine.kernels.step_graphs import GraphCaptureError, StepGraphs, cuda_graphs_available
+from engine.model.kv_slots import PREFIX_BUCKETS, bucket, pow2_buckets
+from engine.model.load import load_model
+from engine.model.tiny import build_tiny_model
 from engine.official import official_generate
-from engine.step_graphs import GraphCaptureError, StepGraphs, cuda_graphs_available
-from engine.step_width import StepWidth, expected_tokens
-from engine.tiny import build_tiny_model
 from tests.conftest import text_page
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -104,8 +104,8 @@ def test_rule_fires_inside_batches_and_is_followed(models, official, monkeypatch
     loaded = models["loop"]
     expected = [official("loop", i) for i in range(len(CHUNKS))]
     fallbacks = []
-    real = engine.acceptance.greedy_token
-    monkeypatch.setattr(engine.acceptance, "greedy_token", lambda row, banned: fallbacks.append(1) or real(row, banned))
+    real = engine.batch.acceptance.greedy_token
+    monkeypatch.setattr(engine.batch.acceptance, "greedy_token", lambda row, banned: fallbacks.append(1) or real(row, banned))
     assert [r.output_ids for r in decode_all(loaded, expected, "plain", 5, name="loop")] == expected
     assert [r.output_ids for r in decode_all(loaded, expected, "lossless", 5, drafts="half", name="loop")] == expected
     assert len(fallbacks) >= 4
@@ -156,7 +156,7 @@ def test_out_of_memory_sends_rows_back_and_loses_nothing(models, official, monke
     loaded = models[8]
     expected = [official(8, i) for i in range(len(CHUNKS))]
     engine = BatchEngine(loaded, "plain", max_batch=4)
-    real, calls = engine.forward.step_body, []
+    real, calls = engine.model.forward.step_body, []
 
     def flaky(n, w, prefix_bucket):
         calls.append(n)
@@ -164,7 +164,7 @@ def test_out_of_memory_sends_rows_back_and_loses_nothing(models, official, monke
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real(n, w, prefix_bucket)
 
-    monkeypatch.setattr(engine.forward, "step_body", flaky)
+    monkeypatch.setattr(engine.model.forward, "step_body", flaky)
     results = engine.run([engine.prepare(c, limit(8, i), key=i) for i, c in enumerate(CHUNKS)])
     assert [r.output_ids for r in results] == expected
     assert engine.row_limit == 2 and max(calls[5:]) <= 2
@@ -220,7 +220,7 @@ def test_invariant_kernels_equal_official_and_do_not_depend_on_the_batch(models,
 
 
 def test_invariant_kernel_pieces_match_torch():
-    from engine import invariant_kernels as K
+    from engine.kernels import invariant as K
 
     torch.manual_seed(0)
     x, w, b = torch.randn(5, 96), torch.randn(70, 96), torch.randn(70)
@@ -242,7 +242,7 @@ def test_invariant_kernel_pieces_match_torch():
 @pytest.mark.parametrize("option", [dict(moe="gather"), dict(moe="dense"), dict(moe="mixed"), dict(attn="sdpa"),
                                     dict(attn="matmul"), dict(linear="bmv")], ids=lambda o: "-".join(o.values()))
 def test_other_torch_implementations_equal_official(models, official, option):
-    """The step's other routed-expert, attention and projection implementations (`engine.forward`), plain and with
+    """The step's other routed-expert, attention and projection implementations (`engine.model.forward`), plain and with
     drafts half right: every chunk of a batch still equals official."""
     loaded = models[8]
     expected = [official(8, i) for i in range(len(CHUNKS))]
@@ -302,7 +302,7 @@ def test_logprobs_are_python_floats_that_json_can_store(models, official):
 
 
 def test_moe_auto_choice():
-    from engine.static_moe import resolve
+    from engine.kernels.static_moe import resolve
 
     assert resolve("auto", torch.device("cpu"), torch.float32) == "grouped"
     assert resolve("auto", torch.device("cuda"), torch.bfloat16) == "grouped"
@@ -443,14 +443,14 @@ def test_a_chunk_that_does_not_fit_alone_comes_back_with_its_error(models, offic
 
     loaded = models[8]
     decoder = EngineDecoder(BatchEngine(loaded, "plain", max_batch=2))
-    real = decoder.engine.forward.step_body
+    real = decoder.engine.model.forward.step_body
 
     def alone_too_big(n, w, prefix_bucket):
-        if decoder.engine.active == 1 and decoder.engine.rows[0] is not None and decoder.engine.rows[0].request.key == 1:
+        if decoder.engine.active == 1 and decoder.engine.batch.rows[0] is not None and decoder.engine.batch.rows[0].request.key == 1:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real(n, w, prefix_bucket)
 
-    monkeypatch.setattr(decoder.engine.forward, "step_body", alone_too_big)
+    monkeypatch.setattr(decoder.engine.model.forward, "step_body", alone_too_big)
     decoder.engine.row_limit = 1  # one row: chunk 1 alone, chunk 2 waits in the queue
     for i in (1, 2):
         decoder.submit(i, CHUNKS[i], 4096, limit(8, i))

@@ -13,9 +13,9 @@ from db.models import Chunk, ChunkStatus, Document, Page
 from db.session import Database
 from engine.loading import load_decoder
 from ingest.config import load_settings
-from ingest.intake import intake_file
-from ingest.report import collect_report, format_report
-from ingest.worker import Worker
+from ingest.intake.enqueue import intake_file
+from ingest.review.report import collect_report, format_report
+from ingest.worker.worker import Worker
 from tests.conftest import make_pdf, uflash, worker_config
 from tests.test_worker import freeze_while, serve_until_done, start_uflash
 

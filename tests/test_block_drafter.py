@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 import torch
 
-from engine.batch_engine import BatchEngine
+from engine.batch.engine import BatchEngine
+from engine.batch.rows import make_drafters
 from engine.drafters.block import BlockDrafterConfig, BlockDrafterNet
 from engine.drafters.block_rows import BlockRows
 from engine.drafters.block_teacher import TeacherMismatch, label_features, make_examples, teacher_features
 from engine.drafters.policy import DraftPolicy
 from engine.loading import load_decoder
-from engine.model import load_model
+from engine.model.load import load_model
+from engine.model.tiny import build_tiny_model
 from engine.official import official_generate
-from engine.rows import make_drafters
-from engine.tiny import build_tiny_model
 from tests.conftest import text_page
 
 LENGTH = 100  # > 3x the window of 8

@@ -54,7 +54,7 @@ def test_check_says_when_the_originals_waiting_in_a_shared_ledger_cannot_be_reac
     """A document taken in by another machine from a folder this one does not have (a share not mounted): its
     worker could not read the original there."""
     from db.models import Document
-    from ingest.intake import intake_file
+    from ingest.intake.enqueue import intake_file
     from tests.conftest import make_pdf
 
     cfg = worker_config(tmp_path, tiny_model_dir, database={"url": ledger_url})

@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from ingest.chunk_plan import ChunkBudget, model_tokens_per_page, plan_document_chunks
+from ingest.intake.chunk_plan import ChunkBudget, model_tokens_per_page, plan_document_chunks
 from tests.conftest import ROOT
 
 
@@ -24,7 +24,7 @@ def test_page_cap_and_empty():
 def test_the_page_cost_is_the_models_own(tiny_model_dir):
     """The vision tokens a page costs are read from the model folder, equal to what the loaded model says; a model of
     fewer tokens a page fits more pages under the same budget."""
-    from engine.model import load_model
+    from engine.model.load import load_model
 
     assert model_tokens_per_page(str(tiny_model_dir)) == load_model(str(tiny_model_dir), "cpu").tokens_per_page == 21
     assert model_tokens_per_page(str(ROOT / "models" / "demo")) == 273

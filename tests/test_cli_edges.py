@@ -69,7 +69,7 @@ def test_closed_output_pipe_exits_quietly(tmp_path, command):
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
-        r = subprocess.run([sys.executable, "-m", "ingest.cli", "--config", str(cfg), command], cwd=ROOT,
+        r = subprocess.run([sys.executable, "-m", "ingest.commands.cli", "--config", str(cfg), command], cwd=ROOT,
                            stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
     finally:
         os.close(write_end)
@@ -83,7 +83,7 @@ def test_a_second_stop_signal_exits_at_once(monkeypatch):
     progress is redone by the next worker, as after a crash)."""
     import signal as signals
 
-    from ingest import lifecycle
+    from ingest.worker import lifecycle
 
     handlers = {}
     monkeypatch.setattr(lifecycle.signal, "signal", lambda sig, handler: handlers.__setitem__(sig, handler))
@@ -120,7 +120,7 @@ def test_windows_task_xml_starts_watch_at_boot_without_a_time_limit(tmp_path):
     assert root.find("t:Principals/t:Principal/t:UserId", ns).text == "S-1-5-18"
     exec_ = root.find("t:Actions/t:Exec", ns)
     assert exec_.find("t:Command", ns).text == sys.executable
-    assert exec_.find("t:Arguments", ns).text == f'-m ingest.cli --config "{cfg.resolve()}" watch'
+    assert exec_.find("t:Arguments", ns).text == f'-m ingest.commands.cli --config "{cfg.resolve()}" watch'
     assert exec_.find("t:WorkingDirectory", ns).text == str(cfg.resolve().parent)
     named = uflash("--config", str(cfg), "windows-task", "--out", str(out), "--user", "ARCHIV\\scanner")
     assert named.returncode == 0 and "ARCHIV\\scanner</UserId>" in out.read_bytes().decode("utf-16")

@@ -20,7 +20,7 @@ pytestmark = [needs_demo,
 
 @pytest.fixture(scope="module")
 def demo():
-    from engine.model import load_model
+    from engine.model.load import load_model
 
     torch.manual_seed(0)
     return load_model(str(DEMO), "cpu", "float32")
@@ -68,7 +68,7 @@ def test_demo_model_plain_and_lossless_equal_official_on_10_pages(demo):
     """On the demo model, 10 held-out synthetic pages (text layer as the reference), fp32, CPU: plain and lossless
     (reference + markup + ngram), each with the 10 pages in one batch, emit official generate()'s tokens exactly
     for every page."""
-    from engine.batch_engine import BatchEngine
+    from engine.batch.engine import BatchEngine
     from engine.official import official_generate
     from scripts.synth import make_document, render_pages
 
@@ -105,9 +105,9 @@ def test_demo_model_reads_sentences_the_test_chooses(demo):
     """A page rendered from a sentence this test chooses (plain English, mostly words the generator's word
     list lacks) comes back in the page's Markdown, CER <= 5% (and each of six such sentences at <= 10%, mean <= 5%).
     Decoded the way uflash decodes (lossless engine, token-identical to official)."""
-    from engine.batch_engine import BatchEngine
+    from engine.batch.engine import BatchEngine
     from engine.official import decode_text
-    from ingest.page_text import page_markdown
+    from ingest.reading.text import page_markdown
     from scripts.eval.demo import OPEN_SENTENCES
     from scripts.train.demo_model import levenshtein
 

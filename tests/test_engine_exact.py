@@ -14,15 +14,15 @@ from transformers.models.unlimited_ocr.generation_unlimited_ocr import (
     UnlimitedOcrSlidingWindowNoRepeatNgramLogitsProcessor as OfficialRule,
 )
 
-from engine.batch_engine import BatchEngine
+from engine.batch.engine import BatchEngine
 from engine.chunk_decode import EngineDecoder, OfficialDecoder, prompt_length
 from engine.drafters.ngram import NgramDrafter
 from engine.drafters.suffix_match import ReferenceDrafter, ReplayDrafter
 from engine.loading import load_decoder
-from engine.model import load_model
+from engine.model.load import load_model
+from engine.model.tiny import build_tiny_model, set_eos_scale
 from engine.ngram_rule import NoRepeatNgramRule
 from engine.official import official_generate, official_inputs
-from engine.tiny import build_tiny_model, set_eos_scale
 from tests.conftest import text_page as _page
 
 LENGTHS = {4: 60, 8: 100, 128: 400}  # new tokens per window: >= 3x the window, and past 128
@@ -188,8 +188,8 @@ def test_a_chunks_seconds_include_its_admission(models):
     import time
 
     engine = BatchEngine(models[8], "plain")
-    real = engine.forward.prefill
-    engine.forward.prefill = lambda *args, **kw: (time.sleep(2.0), real(*args, **kw))[1]
+    real = engine.model.forward.prefill
+    engine.model.forward.prefill = lambda *args, **kw: (time.sleep(2.0), real(*args, **kw))[1]
     out = EngineDecoder(engine).decode(_pages(1), context_limit=32768, max_new_tokens=5)
     assert out.chunk_stats["prefill_s"] >= 2.0
     assert out.chunk_stats["wall_seconds"] >= out.chunk_stats["prefill_s"]

@@ -8,7 +8,8 @@ import shutil
 import pytest
 import torch
 
-from engine.model import LoadedModel, ModelLoadError, ModelNotFound, load_model
+from engine.model.load import LoadedModel, ModelLoadError, ModelNotFound, load_model
+from engine.model.tiny import build_tiny_model, set_eos_scale
 from engine.official import (
     official_generate,
     official_generation_config,
@@ -17,7 +18,6 @@ from engine.official import (
     rswa_mask,
     split_pages,
 )
-from engine.tiny import build_tiny_model, set_eos_scale
 from tests.conftest import text_page as _page
 
 WINDOW = 8  # the tiny model's R-SWA sliding window

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.batch_engine import BatchEngine
-from engine.model import load_model
+from engine.batch.engine import BatchEngine
+from engine.model.load import load_model
+from engine.model.tiny import build_tiny_model
 from engine.ngram_rule import NoRepeatNgramRule
 from engine.official import official_generate
-from engine.tiny import build_tiny_model
 from tests.conftest import DEMO, needs_demo, text_page
 
 WINDOW, NGRAM = 1024, 35  # the official multi-page rule

@@ -1,9 +1,9 @@
-"""engine.gemv: linears as batched GEMVs give what the linears give, on the same parameters."""
+"""engine.kernels.gemv: linears as batched GEMVs give what the linears give, on the same parameters."""
 
 import pytest
 import torch
 
-from engine.gemv import GemvLinear, batched_gemv, with_gemv_linears
+from engine.kernels.gemv import GemvLinear, batched_gemv, with_gemv_linears
 
 
 @pytest.mark.parametrize("bias", [False, True])

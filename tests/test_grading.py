@@ -1,5 +1,5 @@
-"""Grades (ingest.grading), the print measured on a page (ingest.ink), and the repair of pages that look fine but
-are wrong (ingest.repair), through the real worker on a real SQLite ledger and real PDFs with a scripted decoder."""
+"""Grades (ingest.quality.grades), the print measured on a page (ingest.pages.ink), and the repair of pages that look fine but
+are wrong (ingest.quality.repair), through the real worker on a real SQLite ledger and real PDFs with a scripted decoder."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from db.session import Database
 from engine.chunk_output import assemble
 from engine.official import DecodeResult
 from ingest.config import load_settings
-from ingest.grading import checks, explain, grade, grade_document, neighbour_ratio, repeats
-from ingest.ink import ink_text
-from ingest.intake import intake_file
-from ingest.quality import Thresholds
-from ingest.render import render_pages
-from ingest.repair import keeps_alone
-from ingest.worker import Worker
+from ingest.intake.enqueue import intake_file
+from ingest.pages.ink import ink_text
+from ingest.pages.render import render_pages
+from ingest.quality.grades import checks, explain, grade, grade_document, neighbour_ratio, repeats
+from ingest.quality.measures import Thresholds
+from ingest.quality.repair import keeps_alone
+from ingest.worker.worker import Worker
 from tests.conftest import make_pdf, serve_until, uflash, worker_config
 
 T = Thresholds()

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from ingest.config import load_settings
-from ingest.grading import plain_text, repeats
-from ingest.quality import Thresholds, normalized_edit_distance
+from ingest.quality.grades import plain_text, repeats
+from ingest.quality.measures import Thresholds, normalized_edit_distance
 from scripts.synth import make_document, strip_markup
 from tests.conftest import DEMO, ROOT, needs_demo, uflash, write_config
 

@@ -15,8 +15,8 @@ from sqlalchemy.exc import DataError, IntegrityError, InterfaceError, Operationa
 from db.models import Document, Rejected
 from db.session import Database
 from ingest.errors import InputRejected, infrastructure_problem
-from ingest.health import Trouble, format_trouble, read_trouble
-from ingest.watch import InboxWatcher
+from ingest.intake.watch import InboxWatcher
+from ingest.ledger.health import Trouble, format_trouble, read_trouble
 from tests.conftest import make_pdf, uflash, write_config
 
 
@@ -178,10 +178,10 @@ class _Decoder:
 
 def _worker_setup(tmp_path, tiny_model_dir, before, **worker_keys):
     from engine.chunk_decode import OfficialDecoder
-    from engine.model import load_model
+    from engine.model.load import load_model
     from ingest.config import load_settings
-    from ingest.intake import intake_file
-    from ingest.worker import Worker
+    from ingest.intake.enqueue import intake_file
+    from ingest.worker.worker import Worker
     from tests.conftest import worker_config
 
     s = load_settings(worker_config(tmp_path, tiny_model_dir, engine={"max_pages_per_chunk": 1},
@@ -271,9 +271,9 @@ def test_a_ledger_error_in_the_middle_of_a_chunk_fails_nothing(tmp_path, tiny_mo
 def test_a_full_disk_for_the_outputs_fails_no_document(tmp_path, tiny_model_dir, monkeypatch):
     """The outbox's disk is full when a document is finished: the document is not failed; it is finished once
     there is room (here: after three tries)."""
-    import ingest.finish
+    import ingest.worker.finish
 
-    real, tries = ingest.finish.write_document_outputs, []
+    real, tries = ingest.worker.finish.write_document_outputs, []
 
     def full_disk(folder, *args, **kw):
         tries.append(folder)
@@ -281,7 +281,7 @@ def test_a_full_disk_for_the_outputs_fails_no_document(tmp_path, tiny_model_dir,
             raise OSError(errno.ENOSPC, "No space left on device", str(folder / "document.pdf"))
         return real(folder, *args, **kw)
 
-    monkeypatch.setattr(ingest.finish, "write_document_outputs", full_disk)
+    monkeypatch.setattr(ingest.worker.finish, "write_document_outputs", full_disk)
     s, db, docs, worker = _worker_setup(tmp_path, tiny_model_dir, lambda n: None)
     from tests.conftest import serve_until
 
@@ -300,7 +300,7 @@ def test_the_trouble_of_a_process_that_ended_is_shown_as_past(tmp_path):
     its process ended), not as trouble now."""
     import socket
 
-    from ingest.health import FOLDER
+    from ingest.ledger.health import FOLDER
 
     owner = f"{socket.gethostname()}:999999999:1"  # no such process
     (tmp_path / FOLDER).mkdir()

@@ -6,14 +6,14 @@ from loguru import logger
 from PIL import Image
 from sqlalchemy import func, select, update
 
-import ingest.intake
+import ingest.intake.enqueue
 from db.chunks import store_chunk
 from db.models import Chunk, ChunkStatus, DocStatus, Document, Duplicate, Page, Rejected, Run
 from db.queue import claim, fail
 from db.session import Database
 from ingest.errors import InputRejected
-from ingest.intake import intake_file
-from ingest.probe import probe_file
+from ingest.intake.enqueue import intake_file
+from ingest.intake.probe import probe_file
 from tests.badfiles import make_bad_files
 from tests.conftest import SAMPLES, make_pdf
 
@@ -209,11 +209,11 @@ def test_renamed_waiting_file_stays_its_document(settings, db):
 def test_two_intakes_of_one_file_at_once_leave_it_in_place(settings, db, monkeypatch):
     """The loser of the race (IntegrityError on the sha) must not move the winner's only copy aside."""
     a = make_pdf(settings.inbox / "a.pdf", 2)
-    real_probe = ingest.intake.probe_file
+    real_probe = ingest.intake.enqueue.probe_file
     won = []
 
     def probe_while_another_intake_wins(path, max_pixels):
-        monkeypatch.setattr(ingest.intake, "probe_file", real_probe)
+        monkeypatch.setattr(ingest.intake.enqueue, "probe_file", real_probe)
         other = Database(settings.database_url)  # the other process, with its own connection
         try:
             won.append(intake_file(other, settings, path))
@@ -221,7 +221,7 @@ def test_two_intakes_of_one_file_at_once_leave_it_in_place(settings, db, monkeyp
             other.dispose()
         return real_probe(path, max_pixels)
 
-    monkeypatch.setattr(ingest.intake, "probe_file", probe_while_another_intake_wins)
+    monkeypatch.setattr(ingest.intake.enqueue, "probe_file", probe_while_another_intake_wins)
     r = intake_file(db, settings, a)
     assert won[0].outcome == "document"
     assert r.outcome == "known" and r.document_id == won[0].document_id

@@ -137,6 +137,85 @@ def test_scripts_have_no_import_cycle():
     assert not [c for c in import_cycles(import_graph()) if any(m.startswith("scripts") for m in c)]
 
 
+# The stages of ingest/ and engine/, highest first: a module may import its own stage and any stage of a later
+# rank, never a stage of its own rank or an earlier one. A stage is a sub-package, or a top module of its own
+# (the four modules every ingest stage uses form one stage). engine/ and db/ sit below all of ingest/.
+STAGE_RANKS = [
+    ("ingest.commands",),
+    ("ingest.review", "ingest.worker"),
+    ("ingest.outputs", "ingest.quality"),
+    ("ingest.reading", "ingest.intake"),
+    ("ingest.pages", "ingest.ledger"),
+    ("ingest (top)",),
+    ("engine.loading",),
+    ("engine.batch", "engine.chunk_decode"),
+    ("engine.chunk_output", "engine.drafters"),
+    ("engine.ngram_rule",),
+    ("engine.model",),
+    ("engine.official", "engine.kernels"),
+    ("engine",),
+    ("db",),
+]
+RANK = {stage: rank for rank, stages in enumerate(STAGE_RANKS) for stage in stages}
+
+
+def stage_of(module: str) -> str:
+    """The stage a module belongs to: its sub-package under ingest/ or engine/, else its own top module."""
+    parts = module.split(".")
+    if parts[0] == "db":
+        return "db"
+    if parts == ["ingest"]:
+        return "ingest (top)"
+    if len(parts) == 1:
+        return parts[0]
+    if parts[0] == "ingest" and f"ingest.{parts[1]}" not in RANK:
+        return "ingest (top)"
+    return ".".join(parts[:2])
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Imports between ingest/engine stages that point up or sideways (``a -> b`` with a's rank >= b's)."""
+    bad = []
+    for module, targets in sorted(graph.items()):
+        if not module.startswith(("ingest", "engine")):
+            continue
+        here = stage_of(module)
+        for target in sorted(targets):
+            there = stage_of(target)
+            if there != here and RANK[there] <= RANK[here]:
+                bad.append(f"{module} -> {target} ({here} -> {there})")
+    return bad
+
+
+def test_every_ingest_and_engine_module_has_a_stage():
+    unknown = sorted({stage_of(m) for m in import_graph() if m.startswith(("ingest", "engine"))} - set(RANK))
+    assert not unknown, f"folders without a rank in STAGE_RANKS: {unknown}"
+
+
+def test_imports_flow_one_way_between_stages():
+    bad = upward_imports(import_graph())
+    assert not bad, "imports against the stage order:\n" + "\n".join(bad)
+
+
+def test_the_stage_check_sees_an_upward_import():
+    """A planted import from the pages stage up into the worker, and one between two stages of one rank, are caught."""
+    graph = {"ingest.pages.render": {"ingest.worker.worker"}, "ingest.intake.watch": {"ingest.reading.text"},
+             "ingest.worker.worker": {"ingest.pages.render", "db.queue"}}
+    assert upward_imports(graph) == [
+        "ingest.intake.watch -> ingest.reading.text (ingest.intake -> ingest.reading)",
+        "ingest.pages.render -> ingest.worker.worker (ingest.pages -> ingest.worker)",
+    ]
+
+
+def test_no_folder_holds_more_than_fifteen_modules():
+    counts: dict[Path, int] = {}
+    for package in ("ingest", "engine"):
+        for path in (ROOT / package).rglob("*.py"):
+            counts[path.parent] = counts.get(path.parent, 0) + 1
+    crowded = {str(k.relative_to(ROOT)): v for k, v in counts.items() if v > 15}
+    assert not crowded, f"folders above 15 modules: {crowded}"
+
+
 def test_sqlalchemy_only_under_db():
     files = module_files()
     offenders = sorted(name for name, path in files.items() if not name.startswith("db")

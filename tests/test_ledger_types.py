@@ -13,8 +13,8 @@ from sqlalchemy import func, select, text
 from db.documents import document_of_file as known_document
 from db.models import Chunk, Document, Duplicate, Page, Rejected, Run, SchemaVersion
 from db.session import SCHEMA_VERSION, Database
-from ingest.intake import intake_file
-from ingest.prepare import replaced
+from ingest.intake.enqueue import intake_file
+from ingest.pages.prepare import replaced
 from tests.conftest import make_pdf
 
 BIG = 5 * 2**30 + 12345  # a 5 GiB scan

@@ -1,4 +1,4 @@
-"""Scans turned sideways or upside down are turned back before the model reads them (ingest/orientation.py): the
+"""Scans turned sideways or upside down are turned back before the model reads them (ingest/pages/orientation.py): the
 stripes and ragged edges that find them, the probes that choose the turn, the worker that records it, and
 document.pdf that shows the page that way."""
 
@@ -15,9 +15,9 @@ import pytest
 from PIL import Image
 
 from ingest.config import OrientationSettings
-from ingest.orientation import choose_turn, ragged_edges, stripe_ratio, turn
-from ingest.render import render_pages
-from ingest.searchable_pdf import write_searchable_pdf
+from ingest.outputs.searchable_pdf import write_searchable_pdf
+from ingest.pages.orientation import choose_turn, ragged_edges, stripe_ratio, turn
+from ingest.pages.render import render_pages
 from tests.conftest import DEMO, SAMPLES, make_pdf, needs_demo
 
 CONFIG = OrientationSettings()
@@ -143,7 +143,7 @@ def test_a_model_that_cannot_read_the_page_turns_nothing():
     of them (the wrong way, upside down) 0.1 above the page as it is; the floor keeps it from turning the page.
     The same for the sheet upside down."""
     from engine.loading import load_decoder
-    from ingest.orientation import decoder_probe
+    from ingest.pages.orientation import decoder_probe
 
     decoder = load_decoder(str(DEMO), "cpu", "float32", "lossless")
     for page, turns in ((2, {0, 90, 270}), (3, {0, 180})):
@@ -161,11 +161,11 @@ def test_the_demo_model_reads_a_turned_scan_as_it_reads_the_upright_one(tmp_path
     from db.session import Database
     from engine.loading import load_decoder
     from ingest.config import load_settings
-    from ingest.intake import intake_file
-    from ingest.report import collect_report, format_report
-    from ingest.review_assets import THUMB_PX
-    from ingest.review_page import page_images
-    from ingest.worker import Worker
+    from ingest.intake.enqueue import intake_file
+    from ingest.review.assets import THUMB_PX
+    from ingest.review.page import page_images
+    from ingest.review.report import collect_report, format_report
+    from ingest.worker.worker import Worker
     from scripts.synth import make_document
     from scripts.synth import render_pages as synth_pages
     from tests.conftest import worker_config

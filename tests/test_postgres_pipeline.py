@@ -27,7 +27,7 @@ OUTAGE_S = 30  # how long the database server stays down in the middle of a batc
 
 def start_watch(cfg: Path) -> subprocess.Popen:
     """``uflash watch`` as a child process; its output lines collect in ``proc.lines``."""
-    proc = subprocess.Popen([sys.executable, "-m", "ingest.cli", "--config", str(cfg), "watch"], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "ingest.commands.cli", "--config", str(cfg), "watch"], cwd=ROOT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     proc.lines = []

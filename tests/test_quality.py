@@ -1,4 +1,4 @@
-"""Page figures (ingest.quality), the log-probabilities the decoders record, and fast mode's relaxed acceptance."""
+"""Page figures (ingest.quality.measures), the log-probabilities the decoders record, and fast mode's relaxed acceptance."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import random
 import pytest
 import torch
 
-from engine.acceptance import accept
-from engine.batch_engine import BatchEngine
+from engine.batch.acceptance import accept
+from engine.batch.engine import BatchEngine
 from engine.chunk_decode import EngineDecoder
-from engine.model import load_model
+from engine.model.load import load_model
 from engine.ngram_rule import NoRepeatNgramRule
 from engine.official import official_generate
-from ingest.quality import (
+from ingest.quality.measures import (
     Thresholds,
     distinct_n,
     edit_distance,
@@ -120,7 +120,7 @@ def test_chunk_pages_carry_their_ids_and_logprobs(loaded):
 
 
 def test_fast_acceptance_takes_a_likely_draft_and_then_the_targets_token():
-    """A step's rows (`engine.forward.summarize`): row 0 judges draft d1 = 5 where the target prefers 3."""
+    """A step's rows (`engine.model.forward.summarize`): row 0 judges draft d1 = 5 where the target prefers 3."""
     probs0 = torch.full((10,), 0.1 / 8)
     probs0[3], probs0[5] = 0.6, 0.3
     logits0 = probs0.log()

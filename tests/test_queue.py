@@ -12,7 +12,7 @@ from db.chunks import complete_chunk
 from db.models import Chunk, ChunkStatus, Document
 from db.queue import claim, end_leases_of_gone_owners, fail, heartbeat, release
 from db.session import Database
-from ingest.owners import is_gone, this_process
+from ingest.ledger.owners import is_gone, this_process
 from tests.conftest import ROOT
 
 
@@ -180,7 +180,7 @@ def test_claim_limited_to_some_documents_leaves_the_others_queued(any_db):
 
 
 def test_status_names_who_holds_the_running_chunks_and_flags_expired_leases(tmp_path):
-    from ingest.status import collect_status, format_status
+    from ingest.commands.status import collect_status, format_status
 
     db = Database(f"sqlite:///{tmp_path / 'q.db'}")
     add_document(db, 3)
@@ -269,7 +269,7 @@ def test_status_shows_pages_decoded_pages_left_and_when_they_should_be_done(tmp_
     from datetime import datetime, timedelta, timezone
 
     from db.models import Page, Run
-    from ingest.status import collect_status, format_status
+    from ingest.commands.status import collect_status, format_status
 
     db = Database(f"sqlite:///{tmp_path / 'q.db'}")
     doc = add_document(db, 10, "long.pdf")

@@ -2,8 +2,8 @@ import pymupdf
 import pytest
 from PIL import Image
 
-from ingest.page_text import page_markdown
-from ingest.render import render_pages
+from ingest.pages.render import render_pages
+from ingest.reading.text import page_markdown
 from tests.conftest import SAMPLES, make_pdf, probed_samples
 
 

@@ -16,13 +16,13 @@ from sqlalchemy import func, select
 from db.models import Chunk, Document, Page, Run
 from db.session import Database
 from engine.chunk_decode import OfficialDecoder
-from engine.model import load_model
-from engine.tiny import build_tiny_model
+from engine.model.load import load_model
+from engine.model.tiny import build_tiny_model
 from ingest.config import load_settings
-from ingest.intake import intake_file
-from ingest.quality import normalized_edit_distance
-from ingest.report import collect_report, render_html
-from ingest.worker import Worker
+from ingest.intake.enqueue import intake_file
+from ingest.quality.measures import normalized_edit_distance
+from ingest.review.report import collect_report, render_html
+from ingest.worker.worker import Worker
 from tests.conftest import SQLITE_URL, fresh_pg_database, make_pdf, serve_until, uflash, worker_config
 
 PAGES = ["Register of deeds. Entry one, 1851.", "Entry two: a parish record.", "Entry three, the index."]
@@ -277,7 +277,7 @@ def test_report_of_a_run_covers_its_own_pages_only(tmp_path, tiny_model_dir, led
     """Workers one after the other on one ledger: each opens its own run, never one left open by a worker that
     stopped without closing it (a crash); a worker limited to some documents leaves the others queued; the report
     of a run (table data and HTML thumbnails) holds that run's pages only, and the default is the latest run."""
-    from ingest.report import write_html_report
+    from ingest.review.report import write_html_report
 
     cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_tokens_per_page": 8}, database={"url": ledger_url})
     s = load_settings(cfg)
@@ -332,8 +332,8 @@ def test_bench_fast_smoke(tmp_path):
 
 def test_rerun_plans_chunks_from_the_pages_picked(db):
     """Picked pages keep their earlier chunk's range when all are picked, else form their own runs."""
+    from ingest.commands.rerun import parse_pages, rerun_chunks, select_pages
     from ingest.errors import UsageError
-    from ingest.rerun import parse_pages, rerun_chunks, select_pages
 
     with db.engine.begin() as conn:
         doc = conn.execute(Document.__table__.insert().values(
@@ -370,7 +370,7 @@ def test_rerun_plans_chunks_from_the_pages_picked(db):
 def test_rerun_of_a_split_chunk_decodes_its_first_range_again(db):
     """A chunk split at the context limit (pages 1-3 from chunk 1-4, page 4 from its child chunk): re-running all
     of 1-4 decodes 1-4 as one chunk again (the first pass's prompt), not 1-3 and 4 apart; a subset stays apart."""
-    from ingest.rerun import parse_pages, rerun_chunks, select_pages
+    from ingest.commands.rerun import parse_pages, rerun_chunks, select_pages
 
     with db.engine.begin() as conn:
         doc = conn.execute(Document.__table__.insert().values(

@@ -1,4 +1,4 @@
-"""The review page (ingest.review_page) of a run over ../shared/samples/real, opened in a real headless Chromium
+"""The review page (ingest.review.page) of a run over ../shared/samples/real, opened in a real headless Chromium
 (driven with Selenium): the element boxes lie on the print of the page image shown (turned pages included), a box
 and its text light up together, the grade filter and the copy buttons work, and so does the keyboard. A screenshot
 is written and its path printed in the test log.
@@ -21,11 +21,11 @@ from db.session import Database
 from engine.chunk_output import assemble
 from engine.official import DecodeResult
 from ingest.config import load_settings
-from ingest.ink import ink_mask
-from ingest.intake import intake_file
-from ingest.orientation import ragged_edges, stripe_ratio
-from ingest.report import write_html_report
-from ingest.worker import Worker
+from ingest.intake.enqueue import intake_file
+from ingest.pages.ink import ink_mask
+from ingest.pages.orientation import ragged_edges, stripe_ratio
+from ingest.review.report import write_html_report
+from ingest.worker.worker import Worker
 from tests.conftest import DEMO, SAMPLES, needs_demo, serve_until, worker_config
 
 WORDS = "minutes register parish entry accounts letter council year page record index deed".split()

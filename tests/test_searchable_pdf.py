@@ -4,7 +4,7 @@ import pymupdf
 import pytest
 from PIL import Image
 
-from ingest.searchable_pdf import write_searchable_pdf
+from ingest.outputs.searchable_pdf import write_searchable_pdf
 from tests.conftest import SAMPLES, make_pdf, probed_samples
 
 PAGE = {"index": 1, "text": "", "boxes": [

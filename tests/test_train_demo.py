@@ -56,7 +56,7 @@ def test_rswa_scoring_reproduces_generate(pages):
 
 
 def test_saved_folder_loads_like_the_real_model(tiny, tmp_path):
-    from engine.model import load_model
+    from engine.model.load import load_model
 
     model, tokenizer = tiny
     files = dm.save_model(model, tokenizer, tmp_path / "demo", dm.PRESETS["tiny"]["image_size"])

@@ -21,7 +21,7 @@ from tests.conftest import ROOT, make_pdf, wait_until, write_config
 
 def start_watch(cfg):
     """Start ``uflash watch`` and return once it says it is watching."""
-    proc = subprocess.Popen([sys.executable, "-m", "ingest.cli", "--config", str(cfg), "watch", "--intake-only"],
+    proc = subprocess.Popen([sys.executable, "-m", "ingest.commands.cli", "--config", str(cfg), "watch", "--intake-only"],
                             cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     proc.lines = []

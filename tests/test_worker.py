@@ -24,12 +24,12 @@ from db.models import Chunk, ChunkStatus, DocStatus, Document, Duplicate, Page, 
 from db.session import Database
 from engine.chunk_decode import OfficialDecoder
 from engine.chunk_output import assemble
-from engine.model import load_model
+from engine.model.load import load_model
 from engine.official import DecodeResult
 from ingest.config import OrientationSettings, load_settings
-from ingest.intake import intake_file
-from ingest.render import render_pages
-from ingest.worker import Worker
+from ingest.intake.enqueue import intake_file
+from ingest.pages.render import render_pages
+from ingest.worker.worker import Worker
 from tests.conftest import ROOT, make_pdf, serve_until, uflash, wait_until, worker_config, write_config
 
 
@@ -258,7 +258,7 @@ def test_missing_and_corrupt_weights_give_readable_reasons(tmp_path, tiny_model_
 def start_uflash(cfg, *args) -> subprocess.Popen:
     """``uflash --config CFG ARGS`` as a child process; its output lines collect in ``proc.lines`` (all of them once
     ``proc.reader`` has ended)."""
-    proc = subprocess.Popen([sys.executable, "-m", "ingest.cli", "--config", str(cfg), *args], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "ingest.commands.cli", "--config", str(cfg), *args], cwd=ROOT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     proc.lines = []
@@ -689,7 +689,7 @@ def test_a_queued_file_replaced_under_the_same_name_is_not_decoded_as_the_old_do
     """The inbox file of a queued document overwritten by another scan (same name) before it was decoded: the old
     document fails with that reason (its content is gone) instead of getting the new pages under its name and
     checksum, and the new content becomes a document of its own, decoded and archived."""
-    from ingest.intake import intake_file
+    from ingest.intake.enqueue import intake_file
 
     cfg = worker_config(tmp_path, tiny_model_dir)
     s = load_settings(cfg)

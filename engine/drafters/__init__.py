@@ -1,4 +1,4 @@
-"""Drafters: cheap guesses of the target's next tokens. Any guess is safe, `engine.acceptance` keeps only
+"""Drafters: cheap guesses of the target's next tokens. Any guess is safe, `engine.batch.acceptance` keeps only
 what the target itself would have produced; a good drafter only makes decoding faster.
 
 A host drafter has a ``name`` and ``propose(committed_ids, k) -> list[int]``: up to ``k`` tokens expected to
@@ -11,7 +11,7 @@ The block drafter is not a host drafter: `engine.drafters.block_rows.BlockRows` 
 in one device forward, and each row's `BlockRowDrafter` (``on_device = True``) only tells its row's
 `engine.drafters.policy.DraftPolicy` that it can draft. ``DraftPolicy.propose`` returns ``(name, draft,
 device_k)``: a host draft, or, when the block drafter wins, an empty draft and the number of tokens the engine
-takes from the device draft (`engine.batch_engine`), so the host never waits for a draft.
+takes from the device draft (`engine.batch.engine`), so the host never waits for a draft.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ with ``memory``, the features of the row's whole prompt (its pages). Here both l
 - the page memory's keys and values per drafter layer [B, heads, M, head_dim] (M a multiple of
   ``memory_bucket`` >= every row's prompt), projected once per chunk by ``start``, padding masked by ``allowed``;
 - ``last`` [B]: each row's last committed token; ``out`` [B, block]: the drafted ids, which stay on the device:
-  the verify step reads them there (`engine.batch_engine`), so the host never waits for a draft.
+  the verify step reads them there (`engine.batch.engine`), so the host never waits for a draft.
 
 Invariants: ``start(row)`` begins a chunk; ``feed`` gets every committed input of every row in order, exactly
 once (``ready`` checks the count against the output); a draft reads only these buffers, so one CUDA graph per
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from engine.drafters.block import BlockDrafterNet, PageMemory
-from engine.step_graphs import StepGraphs
+from engine.kernels.step_graphs import StepGraphs
 
 MEMORY_BUCKET = 256
 

@@ -18,11 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model import LoadedModel
-from engine.ngram_rule import NoRepeatNgramRule, greedy_token
+from engine.model.load import LoadedModel
+from engine.model.vision import embed_chunks
+from engine.ngram_rule import NoRepeatNgramRule, greedy_token, official_rule
 from engine.official import official_inputs, rswa_mask
-from engine.rows import official_rule
-from engine.vision import embed_chunks
 
 
 class TeacherMismatch(RuntimeError):

@@ -1,12 +1,12 @@
 """CPU benchmark of the decode paths, side by side on the same pages, in one run.
 
-Pages: a synthetic PDF (pymupdf, with a text layer) rendered by `ingest.render.render_pages`; one chunk of
+Pages: a synthetic PDF (pymupdf, with a text layer) rendered by `ingest.pages.render.render_pages`; one chunk of
 ``--pages`` pages (1 page: single prompt, else multi). With ``--synth N``: N held-out documents of the demo
 model's generator (scripts/synth, seeds 860,000+, never trained on), each a PDF with a text layer decoded as
 ``--pages``-page chunks; figures are summed over the N (the demo model's CPU benchmark: ``--synth 20``).
 Runs, each checked token for token against official:
 - official         transformers generate() (engine.official)
-- plain            engine.batch_engine at batch 1, no drafts (one token per forward)
+- plain            engine.batch.engine at batch 1, no drafts (one token per forward)
 - lossless         reference drafter fed the PDF text layer, plus the markup and ngram drafters (the default set)
 - lossless-replay  replay drafter fed the official output ids (a re-run of the same pages)
 - always-wrong     replay drafter fed the official ids shifted by one (every draft token rejected)
@@ -82,7 +82,7 @@ SYNTH_SEED0 = 860_000  # held out (< scripts.synth.HELD_OUT_LIMIT); eval uses 80
 
 def synth_jobs(n_docs: int, n_pages: int, tmp: Path) -> list[tuple[list, list[str]]]:
     """(images, text layers) of ``n_docs`` held-out demo-generator documents of ``n_pages`` pages each."""
-    from ingest.render import render_pages
+    from ingest.pages.render import render_pages
     from scripts.synth import make_document
 
     jobs = []
@@ -96,11 +96,11 @@ def synth_jobs(n_docs: int, n_pages: int, tmp: Path) -> list[tuple[list, list[st
 
 def run_benchmark(model_path: str, n_pages: int, max_new_tokens: int, device: str, dtype: str, k_max: int,
                   repeat: int = 1, synth: int = 0, block: bool = True) -> dict:
-    from engine.batch_engine import BatchEngine
+    from engine.batch.engine import BatchEngine
     from engine.loading import default_kernels, load_block_drafter
-    from engine.model import load_model
+    from engine.model.load import load_model
     from engine.official import official_generate
-    from ingest.render import render_pages
+    from ingest.pages.render import render_pages
 
     loaded = load_model(model_path, device, dtype)
     block_net = load_block_drafter(loaded) if block else None  # as uflash: the model folder's drafter
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_path = args.model
         if args.tiny:
-            from engine.tiny import build_tiny_model
+            from engine.model.tiny import build_tiny_model
 
             model_path = str(build_tiny_model(Path(tmp) / "tiny", sliding_window=128))
         report = run_benchmark(model_path, args.pages, args.max_new_tokens, args.device, args.dtype, args.k_max,

@@ -2,7 +2,7 @@
 against ``plain`` on a trained model, batch 1 and larger batches, 1-page and 4-page chunks, one process.
 
 Pages: scan-like PNG files in ``--pages-dir`` (written by scripts.synth with ``--scan``: held-out seeds, image only).
-For each chunk size and batch size B, one `engine.batch_engine.BatchEngine` per mode decodes every chunk with at
+For each chunk size and batch size B, one `engine.batch.engine.BatchEngine` per mode decodes every chunk with at
 most B rows in flight: a warm-up pass (graph capture, compiles), then the timed pass. Columns: aggregate tok/s
 (output tokens / wall time, vision and prefills included), tokens per forward (1 without drafts), the block drafter's share
 of accepted tokens, and whether every chunk's tokens equal ``plain``'s (they must: lossless).
@@ -22,7 +22,7 @@ import torch
 
 
 def decode(loaded, net, chunks, mode: str, batch: int, tokens_per_page: int, kernels: str) -> dict:
-    from engine.batch_engine import BatchEngine
+    from engine.batch.engine import BatchEngine
 
     engine = BatchEngine(loaded, mode, max_batch=batch, kernels=kernels, block_net=net if mode != "plain" else None)
 
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     from PIL import Image
 
     from engine.loading import default_kernels, load_block_drafter
-    from engine.model import load_model
+    from engine.model.load import load_model
 
     loaded = load_model(args.model, args.device, args.dtype)
     net = load_block_drafter(loaded)

@@ -10,7 +10,7 @@ Every chunk of a batch has its own random pages (the per-page seed), so rows tak
 Per chunk size (``--pages``) and batch size B (``--batch``), B different chunks, each timed end to end (vision,
 prefills, decode; the device synchronised):
 - ``generate``: transformers ``generate()`` of the B chunks as one batch, official config (the anchor);
-- ``plain``: `engine.batch_engine.BatchEngine`, no drafts, B rows, kernels ``--kernels`` (invariant by default);
+- ``plain``: `engine.batch.engine.BatchEngine`, no drafts, B rows, kernels ``--kernels`` (invariant by default);
 - ``plain-torch``: the same with the torch kernels (what batch invariance costs);
 - ``lossless-R%``: drafts of controlled quality: each row's own plain output with R% of the tokens replaced by wrong
   ones (a positional replay drafter), R in ``--rates``; checked token for token against plain.
@@ -101,10 +101,10 @@ def build_model(tiny: bool, device: str, dtype: torch.dtype, seed: int = 0, plan
     """(LoadedModel, description) of a random-weight model built directly on ``device``."""
     from transformers import UnlimitedOcrConfig, UnlimitedOcrForConditionalGeneration
 
-    from engine.model import LoadedModel
+    from engine.model.load import LoadedModel
 
     if tiny:
-        from engine.tiny import build_tokenizer, tiny_config
+        from engine.model.tiny import build_tokenizer, tiny_config
 
         config = tiny_config(build_tokenizer(), sliding_window=128)
         image_size = config.vision_config.sam_config.image_size
@@ -218,7 +218,7 @@ def run_generate(loaded, chunks, tokens: int, device: str) -> dict:
 
 def run_engine(loaded, chunks, tokens: int, device: str, mode: str, kernels: str, drafts=None, k_max: int = 16,
                vision_group: int = 8):
-    from engine.batch_engine import BatchEngine
+    from engine.batch.engine import BatchEngine
 
     factory = None if drafts is None else (lambda request: [PositionalReplay(drafts[request.key])])
     engine = BatchEngine(loaded, mode, max_batch=len(chunks), kernels=kernels, k_max=k_max,
@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         from PIL import Image
 
-        from engine.model import load_model
+        from engine.model.load import load_model
 
         loaded = load_model(args.model, args.device, "bf16" if dtype == torch.bfloat16 else "fp32")
         desc = {"params": sum(p.numel() for p in loaded.model.parameters()), "path": args.model}

@@ -103,7 +103,7 @@ def make_settings(folder: Path, args: argparse.Namespace, mode: str, fast_thresh
 
 
 def decoder_factory(loaded, args: argparse.Namespace):
-    from engine.batch_engine import BatchEngine
+    from engine.batch.engine import BatchEngine
     from engine.chunk_decode import EngineDecoder, OfficialDecoder
     from engine.loading import default_kernels, load_block_drafter
 
@@ -137,8 +137,8 @@ def first_pass(folder: Path, args, mode: str, pdfs: list[Path], make_decoder, fa
 
     from db.documents import unfinished_documents
     from db.session import Database
-    from ingest.intake import intake_file
-    from ingest.worker import Worker
+    from ingest.intake.enqueue import intake_file
+    from ingest.worker.worker import Worker
 
     s = make_settings(folder, args, mode, fast_threshold)
     db = Database(s.database_url)
@@ -159,8 +159,8 @@ def first_pass(folder: Path, args, mode: str, pdfs: list[Path], make_decoder, fa
 
 
 def rerun_pass(first: dict, make_decoder) -> dict:
-    from ingest.rerun import rerun
-    from ingest.worker import Worker
+    from ingest.commands.rerun import rerun
+    from ingest.worker.worker import Worker
 
     s, db = first["settings"], first["db"]
     decoder = make_decoder("lossless")
@@ -181,7 +181,7 @@ def figures(r: dict, keys=("wall_s", "decode_s", "tokens", "forwards", "relaxed_
 
 def compare(threshold: float, lossless: dict, fast: dict, again: dict, keys: list, labels: dict) -> dict:
     """One fast pass and its lossless re-run against the first lossless pass."""
-    from ingest.quality import normalized_edit_distance
+    from ingest.quality.measures import normalized_edit_distance
 
     neds = [normalized_edit_distance(fast["texts"][k], lossless["texts"][k]) for k in keys]
     same = [again["texts"].get(k) == lossless["texts"][k] for k in keys]
@@ -223,14 +223,14 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     from loguru import logger
 
-    from engine.model import load_model
+    from engine.model.load import load_model
 
     logger.remove()
     logger.add(sys.stderr, level="WARNING")
     tmp = tempfile.TemporaryDirectory(prefix="bench_fast-") if not args.workdir else None
     work = Path(args.workdir or tmp.name).resolve()
     if args.tiny:
-        from engine.tiny import build_tiny_model
+        from engine.model.tiny import build_tiny_model
 
         args.model = str(build_tiny_model(work / "tiny-model", sliding_window=8))
     args.model = str(Path(args.model).resolve())

@@ -45,7 +45,7 @@ def make_chunks(pages, singles: int, fours: int) -> list[list[tuple[object, str]
 def decode_batch(loaded, chunks, tokens_per_page: int, mode: str, kernels: str, max_batch: int, block_net=None,
                  references: bool = True):
     """references False: the pages' text layers are withheld (as for scans), so the block drafter drafts."""
-    from engine.batch_engine import BatchEngine
+    from engine.batch.engine import BatchEngine
 
     engine = BatchEngine(loaded, mode, max_batch=max_batch, kernels=kernels, block_net=block_net)
     requests = [engine.prepare([p for p, _ in c], tokens_per_page * len(c), key=i,
@@ -61,7 +61,7 @@ def decode_batch(loaded, chunks, tokens_per_page: int, mode: str, kernels: str, 
 
 def check_fp32(args, pages, log) -> dict:
     from engine.loading import load_block_drafter
-    from engine.model import load_model
+    from engine.model.load import load_model
     from engine.official import official_generate
 
     loaded = load_model(args.model, args.device, "float32")
@@ -87,7 +87,7 @@ def check_fp32(args, pages, log) -> dict:
 
 def check_bf16(args, pages, log) -> dict:
     from engine.loading import load_block_drafter
-    from engine.model import load_model
+    from engine.model.load import load_model
 
     loaded = load_model(args.model, args.device, "bfloat16")
     net = load_block_drafter(loaded)

@@ -73,7 +73,7 @@ def one_setting(args, documents: list[Path], max_batch: str, mode: str, work: Pa
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     started = datetime.now().astimezone()
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "ingest.cli", "--config", str(config), "run", *map(str, documents),
+    proc = subprocess.run([sys.executable, "-m", "ingest.commands.cli", "--config", str(config), "run", *map(str, documents),
                            "--out", str(folder / "out")], env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - t0
     if args.logs:

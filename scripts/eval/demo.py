@@ -30,7 +30,7 @@ from scripts.synth import HELD_OUT_LIMIT, make_document, render_pages, strip_mar
 from scripts.synth.text import paragraph
 from scripts.train.demo_model import levenshtein
 
-RENDER_PX = 1024  # ingest/render.py DEFAULT_TARGET_PX (raised to the model's base size when that is larger)
+RENDER_PX = 1024  # ingest/pages/render.py DEFAULT_TARGET_PX (raised to the model's base size when that is larger)
 
 
 def zen_of_python() -> str:
@@ -115,7 +115,7 @@ def list_sentences(n: int, seed: int) -> list[str]:
 
 
 def _ensure_loguru() -> None:
-    """engine.model logs with loguru; on a machine without it (the GPU image) use a print-based stand-in."""
+    """engine.model.load logs with loguru; on a machine without it (the GPU image) use a print-based stand-in."""
     try:
         import loguru  # noqa: F401
     except ImportError:
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
         ap.error("held-out seeds must stay below 1,000,000")
 
     _ensure_loguru()
-    from engine.model import load_model
+    from engine.model.load import load_model
     from engine.official import official_generate, split_pages
 
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)

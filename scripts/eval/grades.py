@@ -48,14 +48,14 @@ def _docs(path: Path) -> list[dict]:
 
 
 def graded_pages(docs: list[dict], alone: dict[str, dict], t, tokenizer, repair: bool = True) -> list[dict]:
-    """Every page of the ladder as the pipeline grades it: its figures (ingest.repair.chunk_page_stats), the repair
+    """Every page of the ladder as the pipeline grades it: its figures (ingest.quality.repair.chunk_page_stats), the repair
     of caught pages with their single-page readings (``alone``; a page without one is left as it was), the
-    document's grade (ingest.grading.grade_document); with its CER to the truth. A caught page without a reading
+    document's grade (ingest.quality.grades.grade_document); with its CER to the truth. A caught page without a reading
     alone is left as it was and marked ``"repair": {"kept": "no reading alone"}``."""
     from engine.chunk_output import PageOutput
-    from ingest.grading import checks, grade_document, plain_text
-    from ingest.quality import edit_distance
-    from ingest.repair import chunk_page_stats, repair_chunk
+    from ingest.quality.grades import checks, grade_document, plain_text
+    from ingest.quality.measures import edit_distance
+    from ingest.quality.repair import chunk_page_stats, repair_chunk
     from scripts.synth import strip_markup
 
     rows = []
@@ -132,7 +132,7 @@ def _summary(rows: list[dict], cut: float = 0.10) -> dict:
 def table(args) -> None:
     from dataclasses import asdict
 
-    from engine.model import load_model
+    from engine.model.load import load_model
     from ingest.config import load_settings
 
     t = load_settings(args.config).quality.thresholds() if args.config else load_settings(ROOT / "config.toml") \
@@ -175,7 +175,7 @@ def table(args) -> None:
 
 def _regrade(rows: list[dict], t) -> list[dict]:
     """The rows graded again with thresholds ``t`` (the figures that depend on them recomputed)."""
-    from ingest.grading import grade
+    from ingest.quality.grades import grade
 
     out = []
     for r in rows:
@@ -241,7 +241,7 @@ def fit(rows: list[dict], base) -> tuple:
 
 
 def _ink_vs_truth(rows: list[dict]) -> dict:
-    """How well ingest.ink measures the print: its characters over the truth's, percentiles over the pages with at
+    """How well ingest.pages.ink measures the print: its characters over the truth's, percentiles over the pages with at
     least 40 characters of truth."""
     ratios = sorted(r["quality"]["ink_chars"] / r["truth_chars"] for r in rows
                     if r.get("truth_chars", 0) >= 40 and r["quality"].get("ink_chars") is not None)

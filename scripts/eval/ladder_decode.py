@@ -2,13 +2,13 @@
 first step of ``python -m scripts.eval.grades`` (its ``decode`` command runs ``decode_ladder``).
 
 - Documents are drawn and rendered by a pool of processes (``render_document``: the PDF, its pages rendered as the
-  pipeline renders them, and the print on each page measured by ``ingest.ink``, as the worker measures it);
+  pipeline renders them, and the print on each page measured by ``ingest.pages.ink``, as the worker measures it);
 - each document is one chunk of 1-4 pages, decoded by the batched engine (``engine.chunk_decode.EngineDecoder``,
   many chunks in flight); a chunk that comes back short is followed by the chunks the worker would queue
-  (``ingest.outcome.requeue_rule``);
-- once a document is read, the pages of its multi-page chunks that the repair checks catch (``ingest.grading.checks``
+  (``ingest.worker.outcome.requeue_rule``);
+- once a document is read, the pages of its multi-page chunks that the repair checks catch (``ingest.quality.grades.checks``
   under the loosest thresholds ``table --fit`` may choose, ``LOOSE_INK``) are decoded again alone (the single-page
-  prompt, the same mode): ``ingest.repair`` picks between the two readings when the table is made.
+  prompt, the same mode): ``ingest.quality.repair`` picks between the two readings when the table is made.
 
 Writes into its folder, one JSON line per item as each ends (a stop loses only what is in flight; a restart goes on):
 ``decoded.jsonl`` (per document: rung, labels, print measured per page, image sizes, every chunk's pages with their
@@ -44,9 +44,9 @@ def half(seed: int, seed0: int = SEED0) -> str:
 
 def render_document(seed: int) -> tuple[dict[str, Any], list]:
     """(the document's record without its chunks, its page images): the ladder document of ``seed`` rendered as the
-    pipeline renders PDFs, with the print on each page measured (``ingest.ink``)."""
-    from ingest.ink import ink_text
-    from ingest.render import render_pages
+    pipeline renders PDFs, with the print on each page measured (``ingest.pages.ink``)."""
+    from ingest.pages.ink import ink_text
+    from ingest.pages.render import render_pages
     from scripts.synth.ladder import ladder_document
 
     pdf, labels, rung = ladder_document(seed)
@@ -96,8 +96,8 @@ def page_images(doc: dict[str, Any]) -> list:
 
 def caught_pages(doc: dict[str, Any], images: list, tokenizer, t) -> list[int]:
     """Pages (1-based) of the document's multi-page chunks that fail a repair check under thresholds ``t``."""
-    from ingest.grading import checks
-    from ingest.repair import chunk_page_stats
+    from ingest.quality.grades import checks
+    from ingest.quality.repair import chunk_page_stats
 
     out = []
     for first, ch in chunk_outputs(doc):
@@ -174,8 +174,8 @@ def decode_ladder(folder: Path, model: str, docs: int, seed0: int = SEED0, devic
     pool = mp.get_context("spawn").Pool(procs, initializer=_render_worker_init)
 
     from engine.loading import load_decoder
-    from ingest.outcome import requeue_rule
-    from ingest.quality import Thresholds
+    from ingest.quality.measures import Thresholds
+    from ingest.worker.outcome import requeue_rule
 
     if decoder is None:
         decoder = load_decoder(model, device, dtype, mode=mode, max_batch=max_batch, max_pages_per_chunk=4)

@@ -1,4 +1,4 @@
-"""How well uflash turns scans that came sideways or upside down (ingest/orientation.py): held-out synthetic scan
+"""How well uflash turns scans that came sideways or upside down (ingest/pages/orientation.py): held-out synthetic scan
 pages upright, turned a quarter each way and upside down, each through `choose_turn` with the model's probes as the
 worker makes them. Prints a table (per way the page came: looked at, turned right, turned wrong, left) and ends
 with one JSON line.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from engine.loading import load_decoder
 from ingest.config import OrientationSettings
-from ingest.orientation import (
+from ingest.pages.orientation import (
     choose_turn,
     decoder_probe,
     ragged_edges,
@@ -35,7 +35,7 @@ SEED0 = 890_000  # held out: the demo model and its drafter trained on seeds >= 
 def sample_ratios(folder: Path) -> list[dict]:
     import pymupdf
 
-    from ingest.render import render_pages
+    from ingest.pages.render import render_pages
 
     rows = []
     for f in sorted(folder.iterdir()):
@@ -61,7 +61,7 @@ def list_ratios() -> dict:
 
     import pymupdf
 
-    from ingest.render import render_pages
+    from ingest.pages.render import render_pages
 
     words = "the council met on Tuesday and agreed the budget for the year after a long debate about roads".split()
     out = {"upright": [], "quarter": []}

@@ -1,7 +1,7 @@
 """Rasterising synthetic pages: the model's base-mode view and scan-like degradation.
 
 `base_view` reproduces what the project feeds the model for a PDF page: the page rendered so that its longer
-side is `size` pixels (ingest/render.py), then the processor's base mode for size > 640 (no resize, centred on a
+side is `size` pixels (ingest/pages/render.py), then the processor's base mode for size > 640 (no resize, centred on a
 square of gray 127). Pixels are kept as one uint8 channel (pages are grayscale; the processor would see R=G=B).
 """
 
@@ -24,7 +24,7 @@ def pixmap_gray(page: pymupdf.Page, zoom_x: float, zoom_y: float | None = None) 
 
 
 def render_long_side(page: pymupdf.Page, size: int) -> np.ndarray:
-    """Like ingest/render.py: the longer side becomes `size` pixels."""
+    """Like ingest/pages/render.py: the longer side becomes `size` pixels."""
     rect = page.rect
     return pixmap_gray(page, size / max(rect.width, rect.height))
 

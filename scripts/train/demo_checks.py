@@ -96,7 +96,7 @@ def run_overfit_test(steps: int, log) -> bool:
     # the same model through the project's loader and the official path (PDF -> render -> processor)
     with tempfile.TemporaryDirectory() as tmp:
         dm.save_model(model, tokenizer, Path(tmp) / "m", size, dtype=torch.float32)
-        from engine.model import load_model
+        from engine.model.load import load_model
         from engine.official import official_generate
         from scripts.synth import make_document, render_pages
 
@@ -169,7 +169,7 @@ def run_check_rswa(log, trained: tuple | None = None) -> None:
     torch.manual_seed(0)
     if trained is not None:
         model, tokenizer, size = trained
-    else:  # a random tiny model; a large text init gives long, varied greedy outputs (as engine/tiny.py)
+    else:  # a random tiny model; a large text init gives long, varied greedy outputs (as engine/model/tiny.py)
         size = dm.PRESETS["tiny"]["image_size"]
         model, tokenizer = tiny_setup([lbl for _, lbl in word_pages(size)], text_init=0.2)
         with torch.no_grad():

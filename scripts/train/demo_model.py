@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine.model.tiny import BOS, CONTROL_TOKENS, EOS, PAD
 from engine.official import PROMPTS, rswa_mask
-from engine.tiny import BOS, CONTROL_TOKENS, EOS, PAD
 
 WINDOW = 128  # R-SWA output window of the real model
 PRESETS = {
@@ -437,7 +437,7 @@ def save_processor(folder: Path, tokenizer, image_size: int) -> None:
 
 def save_model(model, tokenizer, folder: Path, image_size: int, shard_bytes: int = 15_000_000,
                dtype=torch.bfloat16) -> list[Path]:
-    """A folder that engine.model.load_model loads like the real checkpoint: config, safetensors (bf16, shards
+    """A folder that engine.model.load.load_model loads like the real checkpoint: config, safetensors (bf16, shards
     below 16 MiB), generation config (greedy, no_repeat_ngram_size=35, window 128), tokenizer, processor."""
     import copy
 

@@ -79,7 +79,7 @@ def folder_pages(folder: Path, limit: int) -> list:
     import pymupdf
     from PIL import Image
 
-    from ingest.render import render_pages
+    from ingest.pages.render import render_pages
 
     pages = []
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
@@ -103,10 +103,10 @@ def folder_pages(folder: Path, limit: int) -> list:
 def decode_plain(loaded, chunks: list[list], max_new_tokens: int, desc: str,
                  drafter: BlockDrafterNet | None = None) -> list[list[int]]:
     """The target's own greedy outputs of each chunk (a list of page images; ``max_new_tokens`` per page), in one
-    batched engine run (`engine.batch_engine`: up to DECODE_BATCH chunks in flight, CUDA graphs on a GPU; each
+    batched engine run (`engine.batch.engine`: up to DECODE_BATCH chunks in flight, CUDA graphs on a GPU; each
     chunk's tokens are those of official generate() of it alone). With ``drafter``: `lossless` with that block
     drafter alone, the same tokens. The processor runs on a chunk only when a row is free for it."""
-    from engine.batch_engine import BatchEngine
+    from engine.batch.engine import BatchEngine
     from engine.loading import default_kernels
 
     options = {"max_batch": max(1, min(len(chunks), DECODE_BATCH)), "kernels": default_kernels(loaded)}
@@ -384,12 +384,12 @@ def main(argv=None) -> int:
     if args.eval_only and not (args.eval_pages or args.decoded_heldout_pages):
         ap.error("--eval-only needs --eval-pages N (or --decoded-heldout-pages N)")
 
-    from engine.model import load_model
+    from engine.model.load import load_model
 
     torch.manual_seed(args.seed)
     tmp = None
     if args.tiny:
-        from engine.tiny import build_tiny_model
+        from engine.model.tiny import build_tiny_model
 
         tmp = tempfile.TemporaryDirectory()
         args.model = str(build_tiny_model(Path(tmp.name) / "tiny", sliding_window=8, seed=args.seed, text_init=0.02))

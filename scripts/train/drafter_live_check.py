@@ -1,5 +1,5 @@
 """The live check of a block drafter (`scripts/train/drafter.py --eval-pages`): `lossless` with the block drafter
-alone against `plain` on the same chunks of held-out pages, side by side on `engine.batch_engine.BatchEngine` (CUDA
+alone against `plain` on the same chunks of held-out pages, side by side on `engine.batch.engine.BatchEngine` (CUDA
 graphs on a GPU): token-identical chunks, tau, acceptance by block position, the speed ratio and where a step's time
 goes (ms per plain step, draft, verify round, single step, and the engine's measured cost per step width).
 
@@ -35,9 +35,9 @@ def _timed_run(engine, chunks: list[list], max_new_tokens: int) -> tuple[list, f
 def evaluate(loaded, net, chunks: list[list], max_new_tokens: int, k_max: int, block_sits_out: bool = True,
              block_full_k: bool = False, warmup: list | None = None, batch: bool = False) -> dict:
     """lossless with the block drafter alone vs plain on the same chunks (lists of page images; ``max_new_tokens``
-    per page), side by side. block_sits_out, block_full_k: `engine.batch_engine.BatchEngine`'s; warmup: chunks
+    per page), side by side. block_sits_out, block_full_k: `engine.batch.engine.BatchEngine`'s; warmup: chunks
     decoded by both sides before the timed ones; batch: every chunk in one batch (else each alone)."""
-    from engine.batch_engine import BatchEngine
+    from engine.batch.engine import BatchEngine
     from engine.loading import default_kernels
 
     rows_wanted = len(chunks) if batch else 1
@@ -96,10 +96,10 @@ def evaluate(loaded, net, chunks: list[list], max_new_tokens: int, k_max: int, b
 
 
 def step_ms_by_width(engine) -> dict[str, float]:
-    """The engine's own measure of a step's cost (`engine.step_width`: an average per row bucket, width and whether
+    """The engine's own measure of a step's cost (`engine.batch.step_width`: an average per row bucket, width and whether
     the block drafter drafted), keyed ``rows x width`` (``+block`` when it drafted)."""
     return {f"{rows}x{width}{'+block' if block else ''}": round(1000 * seconds, 3)
-            for (rows, width, block), seconds in sorted(engine.step_width.cost.items())}
+            for (rows, width, block), seconds in sorted(engine.batch.step_width.cost.items())}
 
 
 def chunked(pages: list, size: int) -> list[list]:

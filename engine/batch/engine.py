@@ -1,0 +1,297 @@
+"""Continuous batching with lossless speculation: B rows, each a chunk from its prefill to its end, one loop.
+
+``submit`` queues chunks (`ChunkRequest`, made by ``prepare``: the processor runs on the caller's thread);
+``step`` runs the one decode loop's next turn and returns the chunks that ended in it:
+1. admission: while rows are free and chunks wait, their pages go through the vision tower together
+   (`engine.model.vision`), each is prefilled into its row (`engine.model.forward`) and takes its first token;
+2. each row's draft policy proposes its own draft (reference, replay, markup, ngram on the host; the block
+   drafter for all rows in one device forward); `engine.batch.step_width` picks the step width from the rows'
+   acceptance and the measured cost of each width at this batch size (plain decoding is width 1);
+3. one forward runs every row's ``[last token, drafts, padding]`` (a CUDA graph per rows x width x prefix bucket
+   on a GPU), one copy brings each token's greedy choice to the host;
+4. each row applies the one acceptance rule (`engine.batch.acceptance`): it commits what the target itself chose, so
+   every chunk's tokens equal official ``generate()`` of that chunk alone; a row that reaches EOS or its token limit
+   ends, its results leave at once and its row is free for the next chunk.
+Batch 1 is the same code; the CPU runs it without graphs.
+
+Out of memory while admitting or stepping: the chunks of the highest rows go back to the front of the queue
+(decoded again from their start: nothing is lost, the tokens are the same) and the batch stays smaller from then on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+import torch
+from loguru import logger
+
+from engine.batch.acceptance import accept
+from engine.batch.admission import admit
+from engine.batch.requests import ChunkRequest, ChunkResult
+from engine.batch.rows import DRAFTERS, MODES, Row, make_drafters
+from engine.batch.step_width import StepWidth
+from engine.drafters.block_rows import BlockRows
+from engine.kernels.step_graphs import GraphCaptureError, StepGraphs, cuda_graphs_available
+from engine.model.forward import BatchForward
+from engine.model.kv_slots import PREFIX_BUCKETS, KVSlots, bucket, pow2_buckets
+from engine.model.load import LoadedModel
+from engine.ngram_rule import official_rule
+from engine.official import chunk_inputs
+
+SKIP_AFTER, SKIP_EVERY = 8, 8  # `BatchEngine._drafting_pays`
+
+
+class BatchEngine:
+    """mode: plain | lossless | fast (fast_threshold). max_batch: rows. k_max: most drafted tokens per row and step.
+    graphs: use CUDA graphs (auto: on CUDA). kernels/moe/attn/linear: `engine.model.forward`. block_net: a trained
+    `BlockDrafterNet` (drafts when the chunk has no full copy source, unless block_beside_copies).
+    prefix_capacity: prefix tokens the rows hold from the start (grown on demand). vision_group: pages per vision
+    batch; padded to it with batch-invariant kernels. drafter_factory(request) -> host drafters, replacing the
+    named ones (benchmarks feed drafts of a controlled quality). adaptive_width False: every step runs the widest
+    draft its rows want (no `engine.batch.step_width` choice), for tests and for measuring the draft policy alone."""
+
+    def __init__(self, loaded: LoadedModel, mode: str = "lossless", *, max_batch: int = 1, k_max: int = 16,
+                 drafters: tuple[str, ...] = DRAFTERS, fast_threshold: float = 0.3, block_net=None,
+                 block_beside_copies: bool = False, block_sits_out: bool = True, block_full_k: bool = False,
+                 graphs: str | bool = "auto", kernels: str = "torch", moe: str = "auto", attn: str = "auto",
+                 linear: str = "auto", prefix_capacity: int = 0, vision_group: int = 8, drafter_factory=None,
+                 adaptive_width: bool = True):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        if set(drafters) - set(DRAFTERS) or k_max < 1 or max_batch < 1 or not 0.0 < fast_threshold <= 1.0:
+            raise ValueError(f"drafters among {DRAFTERS}, k_max >= 1, max_batch >= 1, fast_threshold in (0, 1]")
+        model, config = loaded.model, loaded.model.config.text_config
+        if block_net is not None and block_net.config.target_hidden != config.hidden_size:
+            raise ValueError(f"the block drafter was made for hidden size {block_net.config.target_hidden}, "
+                             f"the model has {config.hidden_size}")
+        self.loaded, self.mode, self.k_max = loaded, mode, k_max
+        self.drafter_names, self.fast_threshold = tuple(drafters), fast_threshold
+        self.block_beside_copies, self.block_sits_out, self.block_full_k = \
+            block_beside_copies, block_sits_out, block_full_k
+        self.drafter_factory, self.adaptive_width = drafter_factory, adaptive_width
+        self.rules = {kind: official_rule(loaded, kind) for kind in ("single", "multi")}
+        self.eos = loaded.eos_token_id
+        self.strict = frozenset(i for i in (self.eos, loaded.page_sep_id) if i is not None)
+        max_width = k_max + 1  # plain runs width 1 only, but the ring (and so every row's key walk) is the same
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.kv = KVSlots(num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
+                          head_dim=head_dim, window=config.sliding_window, max_batch=max_batch, max_width=max_width,
+                          prefix_capacity=bucket(max(prefix_capacity, 1), PREFIX_BUCKETS), dtype=loaded.dtype,
+                          device=loaded.device)
+        use_block = block_net is not None and mode != "plain" and "block" in drafters
+        layers = tuple(block_net.config.layers) if use_block else ()
+        self.forward = BatchForward(model, self.kv, kernels=kernels, moe=moe, attn=attn, linear=linear,
+                                    capture_layers=layers)
+        if graphs == "auto":
+            graphs = loaded.device.type == "cuda" and cuda_graphs_available()[0]
+        self.graphs = StepGraphs(self._step_body, loaded.device) if graphs else None
+        self.block = BlockRows(block_net, model.get_input_embeddings(), model.lm_head, max_batch,
+                               graphs=bool(graphs)) if use_block else None
+        self.vision_group, self.pad_vision = vision_group, kernels == "invariant"
+        self.widths = [1] if mode == "plain" else pow2_buckets(max_width)
+        self.row_buckets = pow2_buckets(max_batch)
+        self.step_width = StepWidth(self.widths)
+        self.max_batch = self.row_limit = max_batch
+        self.rows: list[Row | None] = [None] * max_batch
+        self.pending: deque[ChunkRequest] = deque()
+        self.steps = 0
+        self._plain_streak = self._since_plan = 0
+        self.timing = {"vision_s": 0.0, "prefill_s": 0.0, "steps_s": 0.0}  # wall time of the engine's work
+
+    def prepare(self, images: list, max_new_tokens: int, key: Any = None, reference_texts: list[str] | None = None,
+                replay_ids: list[int] | None = None) -> ChunkRequest:
+        """A chunk of ``images`` (1 page: the single-page prompt, else the multi-page one) to decode up to
+        ``max_new_tokens``; the processor runs here, on the caller's thread."""
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        kind = "single" if len(images) == 1 else "multi"
+        return ChunkRequest(key, chunk_inputs(self.loaded, images, kind), kind, len(images), max_new_tokens,
+                            reference_texts, replay_ids)
+
+    def submit(self, request: ChunkRequest) -> None:
+        self.pending.append(request)
+
+    @property
+    def active(self) -> int:
+        return sum(r is not None for r in self.rows)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.pending) or self.active > 0
+
+    def run(self, requests: list[ChunkRequest]) -> list[ChunkResult]:
+        """Decode ``requests`` to their ends; results in the order given."""
+        for r in requests:
+            self.submit(r)
+        done: dict[int, ChunkResult] = {}
+        while self.busy:
+            for res in self.step():
+                done[id(res.request)] = res
+        return [done[id(r)] for r in requests]
+
+    @torch.inference_mode()
+    def step(self) -> list[ChunkResult]:
+        """Admit what fits, run one step over every row, return the chunks that ended."""
+        finished = admit(self)
+        if not self.active:
+            return finished
+        try:
+            finished += self._step()
+        except torch.OutOfMemoryError as exc:
+            if self.active <= 1:
+                raise  # one chunk alone does not fit: the caller decides (e.g. split it)
+            self._shrink(max(1, self.active // 2), exc)
+        return finished
+
+    @torch.inference_mode()
+    def drop_rows(self) -> list[ChunkRequest]:
+        """Free every row (after an error the caller handles); returns their requests. The queue stays."""
+        dropped = [r.request for r in self.rows if r is not None]
+        for row in [r for r in self.rows if r is not None]:
+            self.rows[row.index] = None
+            self.kv.close_row(row.index)
+        return dropped
+
+    def reset(self) -> list[ChunkRequest]:
+        """Drop every row and the queue; returns their requests."""
+        dropped = self.drop_rows() + list(self.pending)
+        self.pending.clear()
+        return dropped
+
+    def _step(self) -> list[ChunkResult]:
+        t0 = time.perf_counter()
+        live = [r for r in self.rows if r is not None]
+        n = bucket(live[-1].index + 1, self.row_buckets)
+        drafting = self.mode != "plain" and self._drafting_pays()
+        plans = [r.plan() if drafting else (None, [], 0) for r in live]
+        w = 1
+        if drafting and not self.adaptive_width:
+            w = bucket(1 + max(len(d) or k for _, d, k in plans), self.widths)
+        elif drafting:
+            wants = [self._accept_at(row, name, len(d) or k) for row, (name, d, k) in zip(live, plans)]
+            w = self.step_width.choose(n, wants, any(k for _, _, k in plans))
+            self._plain_streak = self._plain_streak + 1 if w == 1 else 0
+        # every width's columns are staged (a graph captured now for a wider step writes only uncommitted positions)
+        index = np.fromiter((r.index for r in live), dtype=np.int64, count=len(live))
+        ids, pos, span = self.kv.host_ids, self.kv.host_pos, np.arange(self.kv.max_width)
+        ids[:n] = 0
+        pos[:n] = span[None]
+        ids[index] = np.fromiter((r.output[-1] for r in live), dtype=np.int64, count=len(live))[:, None]
+        pos[index] = np.fromiter((r.length for r in live), dtype=np.int64, count=len(live))[:, None] + span
+        ks = [min(len(d) or dk, w - 1) for _, d, dk in plans]
+        block_rows = np.zeros(n, dtype=bool)
+        for row, (_, draft, device_k), k in zip(live, plans, ks):
+            if k and draft:
+                ids[row.index, 1 : 1 + k] = draft[:k]
+            elif k:
+                block_rows[row.index] = True
+        t_draft = time.perf_counter()
+        self.kv.stage()
+        if block_rows.any():
+            out = self.block.draft(n, ids[:n, 0].copy())
+            width = min(w - 1, self.block.block)
+            mask = torch.as_tensor(block_rows, device=out.device)[:, None]
+            self.kv.ids[:n, 1 : 1 + width] = torch.where(mask, out[:, :width], self.kv.ids[:n, 1 : 1 + width])
+        prefix_bucket = bucket(max(r.prefix_len for r in live), PREFIX_BUCKETS)
+        captures = self._captures()
+        summary = self._run(n, w, min(prefix_bucket, self.kv.capacity))
+        # while the device runs the step: each row's bans after each prefix of its host draft (the acceptance rule's
+        # only host work that grows with the draft); a device (block) draft is known only after the step
+        bans = [[row.rule.banned(draft[:i]) for i in range(k + 1 if draft else 1)]
+                for row, (_, draft, _), k in zip(live, plans, ks)]
+        rows = summary.cpu().numpy()  # the one host sync of a step
+        finished, counts = [], {}
+        for row, (name, _, _), k, row_bans in zip(live, plans, ks, bans):
+            r = rows[row.index]
+            if not k and not row_bans[0]:  # the common case: one token, the argmax
+                row.take(int(r[0, 0]), float(r[0, 1] - r[0, 2]))
+                counts[row.index] = 1
+                continue
+            res = accept(r, k, row.rule, self.eos, lambda i, b=row.index: self._logits_row(n, w, b, i),
+                         self.fast_threshold if self.mode == "fast" else None, self.strict, row_bans)
+            row.commit(res, name, k)
+            if k:
+                self.step_width.record(name, k, len(res.emitted) - 1)
+            counts[row.index] = len(res.emitted)
+        if self.block is not None:
+            self.block.feed(counts, self.forward.step_features(n, w))
+        seconds = time.perf_counter() - t0
+        self.timing["steps_s"] += seconds
+        if self._captures() == captures:  # a step that captured graphs (or compiled kernels) says nothing of cost
+            self.step_width.observe(n, w, bool(block_rows.any()), seconds)
+        share, draft_share = seconds / len(live), (t_draft - t0) / len(live)
+        for row, k in zip(live, ks):
+            row.account(share, draft_share, bool(k), len(live))
+            if row.done(self.eos):
+                finished.append(self._finish(row))
+        self.steps += 1
+        return finished
+
+    def _logits_row(self, n: int, w: int, row: int, i: int) -> torch.Tensor:
+        return self.forward.step_logits(n, w)[row, i].float()
+
+    def _drafting_pays(self) -> bool:
+        """Draft this step? After ``SKIP_AFTER`` steps in a row at width 1 (drafts that do not pay at this load), the
+        rows draft only every ``SKIP_EVERY``-th step, to look again: the host's drafting is not spent for nothing."""
+        self._since_plan += 1
+        if self._plain_streak < SKIP_AFTER or self._since_plan >= SKIP_EVERY:
+            self._since_plan = 0
+            return True
+        return False
+
+    def _captures(self) -> int:
+        return sum(g.captured for g in (self.graphs, self.block and self.block.graphs) if g is not None)
+
+    def _run(self, n: int, w: int, prefix_bucket: int) -> torch.Tensor:
+        if self.graphs is not None:
+            try:
+                if not self.graphs.has((n, w, prefix_bucket)):  # every width of these rows at once
+                    self.graphs.capture_all([(n, width, prefix_bucket) for width in self.widths])
+                return self.graphs.replay((n, w, prefix_bucket))
+            except GraphCaptureError as exc:
+                logger.opt(exception=exc).warning("CUDA graphs off, steps run eagerly from now on: {}", exc)
+                self.graphs = None
+        return self.forward.step_body(n, w, prefix_bucket)
+
+    def _step_body(self, key: tuple[int, int, int]) -> torch.Tensor:
+        return self.forward.step_body(*key)
+
+    def _accept_at(self, row: Row, drafter: str | None, k: int) -> list[float]:
+        if drafter is None or not k:
+            return []
+        stats = row.policy.stats[drafter]
+        return self.step_width.accept_at(drafter, stats.accepted_at, stats.proposed_at, k)
+
+    def _drafters_for(self, request: ChunkRequest, row_index: int) -> list:
+        if self.mode == "plain":
+            return []
+        if self.drafter_factory is not None:
+            return self.drafter_factory(request)
+        return make_drafters(self, request, row_index)
+
+    def _finish(self, row: Row) -> ChunkResult:
+        self.rows[row.index] = None
+        self.kv.close_row(row.index)
+        stats = row.stats(mode=self.mode, k_max=self.k_max, cache_bytes=self.kv.bytes_per_row(),
+                          ring_slots=self.kv.ring_size, backend="graphs" if self.graphs is not None else "eager",
+                          kernels=self.forward.kernels, moe=self.forward.moe)
+        return ChunkResult(row.request, row.output, row.logprobs, "eos" if row.output[-1] == self.eos else "length",
+                           time.perf_counter() - row.started + row.times["prefill_s"], stats)
+
+    def _shrink(self, limit: int, exc: BaseException) -> None:
+        """Out of memory: the rows at ``limit`` and above go back to the front of the queue (from their start)."""
+        back = [r for r in self.rows[limit:] if r is not None]
+        for row in back:
+            self.rows[row.index] = None
+            self.kv.close_row(row.index)
+        self.pending.extendleft(reversed([r.request for r in back]))
+        self.row_limit = limit
+        if self.graphs is not None:
+            self.graphs.clear()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        logger.warning("out of memory ({}): batch limited to {} rows; {} chunk(s) queued again from their start",
+                       type(exc).__name__, limit, len(back))

@@ -1,0 +1,66 @@
+"""The ``uflash`` command line: its commands and their options (ingest.commands.cli runs them)."""
+
+from __future__ import annotations
+
+import argparse
+
+MODES = ["official", "plain", "lossless", "fast"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="uflash", description="Watch-folder batch OCR with Unlimited-OCR.")
+    p.add_argument("--config", metavar="PATH", help="config file (default: ./config.toml or $UFLASH_CONFIG)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging on the console")
+    p.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only on the console")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    dev = ("the device this process decodes on: cpu, cuda or cuda:N (default: model.device in the config); one "
+           "worker per GPU on one ledger: start one `uflash watch --device cuda:N` per GPU")
+
+    w = sub.add_parser("watch", help="watch the inbox and process what arrives (runs until stopped)")
+    w.add_argument("--intake-only", action="store_true", help="record files but do not run the GPU worker")
+    w.add_argument("--device", help=dev)
+
+    r = sub.add_parser("run", help="process these files (or the inbox) now, and exit when they are done")
+    r.add_argument("paths", nargs="*", metavar="PATH",
+                   help="files or folders: only their documents are decoded (default: everything in the inbox and "
+                        "every document already queued in the ledger)")
+    r.add_argument("--mode", choices=MODES,
+                   help="official: transformers generate(); plain: our engine, one token a step; lossless: "
+                        "speculative, token-identical to official; fast: speculative with relaxed acceptance "
+                        "(engine.fast_threshold), not token-exact (default: engine.mode in the config)")
+    r.add_argument("--out", metavar="DIR", help="write outputs here instead of folders.outbox")
+    r.add_argument("--device", help=dev)
+
+    rp = sub.add_parser("report", help="per-page grades, reasons, tau and tokens/s of a run; writes the HTML report")
+    rp.add_argument("--run", type=int, metavar="ID",
+                    help="the run: one per `uflash run`, `uflash watch` process or `uflash rerun` (default: the "
+                         "latest run with pages)")
+    rp.add_argument("--grade", choices=["good", "fair", "poor"], help="only pages of this grade")
+    rp.add_argument("--json", action="store_true", help="print one JSON object")
+    rp.add_argument("--no-html", action="store_true", help="do not write <outbox>/reports/run-<ID>.html")
+
+    rr = sub.add_parser("rerun", help="decode pages again into a new run (history kept) and rewrite the outputs")
+    rr.add_argument("--mode", choices=MODES, default="lossless", help="decode mode of the re-run (default lossless)")
+    rr.add_argument("--grade", choices=["good", "fair", "poor"], help="pages whose latest grade is this")
+    rr.add_argument("--doc", type=int, metavar="ID", help="pages of this document")
+    rr.add_argument("--pages", metavar="A-B", help="pages in this range (e.g. 3-7)")
+    rr.add_argument("--device", help=dev)
+
+    d = sub.add_parser("diff", help="per-page normalized edit distance between the texts of two runs")
+    d.add_argument("run_a", type=int, metavar="RUN_A")
+    d.add_argument("run_b", type=int, metavar="RUN_B")
+    d.add_argument("--json", action="store_true", help="print one JSON object")
+
+    t = sub.add_parser("windows-task", help="write the Windows Task Scheduler XML that starts `uflash watch` at boot "
+                                            "(import: schtasks /Create /TN uflash /XML FILE)")
+    t.add_argument("--out", metavar="FILE", default="uflash-task.xml", help="where to write it")
+    t.add_argument("--user", help="run as this account (default: SYSTEM; a named one needs its password at import)")
+
+    s = sub.add_parser("status", help="documents and chunks by state, failures and their reasons")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.add_argument("--limit", type=int, default=20, help="how many failures to list")
+
+    c = sub.add_parser("check", help="check the set-up of this machine: the ledger (reachable, schema version), "
+                                     "the folders and the model; changes nothing")
+    c.add_argument("--json", action="store_true", help="print one JSON object")
+    return p

@@ -1,0 +1,4 @@
+"""From a dropped file to queued chunks: the watcher (watch), taking a file exactly once (enqueue), reading what a
+file is (probe) and splitting a document into chunks (chunk_plan).
+
+May import pages/, ledger/, the top modules, engine/ and db/."""

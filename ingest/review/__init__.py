@@ -1,0 +1,3 @@
+"""The run report and the review page: what a person reads after a run (report, page, assets).
+
+May import quality/, reading/, pages/, ledger/, the top modules (config, errors, files, logs), engine/ and db/."""

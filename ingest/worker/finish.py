@@ -1,0 +1,127 @@
+"""Finishing a document once its chunks are all done: grade its pages, write its outputs, archive its original.
+
+The outputs show the **latest** version of each page (db.pages.latest_pages), so a re-run's pages replace the earlier
+ones there while the ledger keeps both. Each page is graded against its neighbours with the ``[quality]`` thresholds
+(grade and reasons are written into its stats). A document that cannot be finished (a page missing, its outputs
+refused by the file system, its original not archivable) is failed with that reason, and the others go on; a full or
+failing disk is not the document's fault (ingest.errors): it waits and is finished once there is room.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+
+from db.documents import fail_document, finish_document, get_document, ready_to_finish, unfinished_documents
+from db.models import Document, Page, Run
+from db.pages import done_documents_with_pages_of_run, latest_pages, set_page_stats
+from db.runs import runs
+from db.session import Database
+from ingest.config import Settings
+from ingest.errors import infrastructure_problem
+from ingest.files import file_away
+from ingest.outputs.write import holds_another_document, output_folder, write_document_outputs
+from ingest.quality.grades import grade_document, plain_text
+
+
+@dataclass
+class Finisher:
+    settings: Settings
+    db: Database
+    document_ids: frozenset[int] | None = None  # only these documents (uflash run FILE...); None: any
+
+    def finish_ready(self) -> None:
+        """Finish this worker's documents whose chunks are all done but whose outputs were not written (a crash between
+        the last chunk and the outputs leaves exactly this)."""
+        for doc_id in unfinished_documents(self.db, self.document_ids):
+            if ready_to_finish(self.db, doc_id):
+                self.finish(doc_id)
+
+    def rewrite_after_rerun(self, run_id: int, doc_ids: list[int]) -> None:
+        """Rewrite the outputs of the finished documents (of this worker's) that ``run_id`` stored pages of, once the
+        chunks it left were cancelled: the outputs show each page's latest version."""
+        mine = [d for d in doc_ids if self.document_ids is None or d in self.document_ids]
+        for doc_id in done_documents_with_pages_of_run(self.db, run_id, mine) if mine else []:
+            if ready_to_finish(self.db, doc_id):
+                self.finish(doc_id)
+
+    def finish(self, doc_id: int) -> Path | None:
+        """Write the document's outputs, archive its original, mark it done. Returns the output folder, or None when
+        the document could not be finished: then it is failed with the reason."""
+        doc = get_document(self.db, doc_id)
+        pages = latest_pages(self.db, doc_id)
+        self._grade(pages)
+        indexes = [p.page_index for p in pages]
+        if indexes != list(range(1, doc.page_count + 1)):
+            missing = sorted(set(range(1, doc.page_count + 1)) - set(indexes))
+            return self._not_finished(doc, f"pages missing after all chunks finished: {missing}")
+        document = {"id": doc.id, "name": doc.original_name, "sha256": doc.sha256, "kind": doc.kind,
+                    "page_count": doc.page_count, "original_path": doc.original_path}
+        produced_by = runs(self.db, {p.run_id for p in pages})
+        run = run_record(produced_by[-1]) if produced_by else {}
+        if len(produced_by) > 1:
+            run["earlier_runs"] = [run_record(r) for r in produced_by[:-1]]
+        page_dicts = [{"index": p.page_index, "text": p.text, "boxes": p.boxes, "stats": p.stats, "run_id": p.run_id,
+                       **({"note": p.stats["note"]} if p.stats.get("note") else {})} for p in pages]
+        # the scan under the searchable PDF: the archived original on a re-run, else the one still in place
+        scan = next((Path(q) for q in (doc.archived_path, doc.original_path) if q and Path(q).exists()), None)
+        try:
+            folder = self._output_folder(doc)
+            md, _ = write_document_outputs(folder, document, run, page_dicts, source=scan,
+                                           formats=self.settings.outputs.formats)
+        except OSError as e:  # a file in the way, access denied, a name or path the OS refuses
+            if infrastructure_problem(e):  # a full or failing disk: the document waits, finished once it is fixed
+                raise
+            return self._not_finished(doc, f"outputs could not be written: {e}")
+        archived, error, src = None, None, Path(doc.original_path)
+        if doc.archived_path and Path(doc.archived_path).exists():
+            archived = Path(doc.archived_path)  # archived by an earlier pass (this is a re-run)
+        elif src.exists():
+            try:
+                archived = file_away(src, self.settings.archive, self.settings.inbox)
+            except OSError as e:
+                if infrastructure_problem(e):
+                    raise
+                return self._not_finished(doc, f"outputs written to {folder}, but the original could not be "
+                                               f"archived: {e}", folder)
+        else:
+            error = f"original was no longer at {src} when archiving"
+        finish_document(self.db, doc_id, folder, archived, error)
+        logger.success("{} done: {}", doc.original_name, md)
+        return folder
+
+    def _output_folder(self, doc: Document) -> Path:
+        """Where the document's outputs go: the folder they were written to before (a re-run, or a retry, rewrites
+        them there, even when that was a `uflash run --out DIR`), or, the first time, or when the place of that
+        folder is gone or another document has taken the folder, a folder of its own in the outbox."""
+        if doc.output_dir:
+            earlier = Path(doc.output_dir)
+            if earlier.parent.is_dir() and not holds_another_document(earlier, doc.sha256):
+                return earlier
+            logger.warning("{}: {}, where its outputs were written before, is gone or holds another document: "
+                           "written to the outbox {}", doc.original_name, earlier, self.settings.outbox)
+        return output_folder(self.settings.outbox, doc.original_name, doc.sha256)
+
+    def _not_finished(self, doc: Document, reason: str, output_dir: Path | None = None) -> None:
+        """Fail a document whose chunks are all done with ``reason``. Nothing is lost: its pages stay in the ledger and
+        its original stays where it is; being failed, it is not finished again (and failing again) at every start."""
+        fail_document(self.db, doc.id, reason, output_dir)
+        logger.error("{}: {}", doc.original_name, reason)
+
+    def _grade(self, pages: list[Page]) -> None:
+        """Grade the document's latest pages against each other (ingest.quality.grades); store grade and reasons in
+        their stats."""
+        graded = grade_document([{**(p.stats.get("quality") or {}), "plain": plain_text(p.text),
+                                  "chunk_id": p.chunk_id} for p in pages], self.settings.quality.thresholds())
+        for p, q in zip(pages, graded):
+            p.stats = {**p.stats, "quality": q}
+        set_page_stats(self.db, {p.id: p.stats for p in pages})
+
+
+def run_record(r: Run) -> dict[str, Any]:
+    """What document.json says of a run."""
+    return {"id": r.id, "mode": r.mode, "model": r.model, "engine_version": r.engine_version, "host": r.host,
+            "started_at": r.started_at.isoformat() if r.started_at else None}

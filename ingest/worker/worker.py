@@ -1,0 +1,275 @@
+"""The worker: claim chunks as the decoder's rows free up, decode them together, store each chunk's results the moment
+it ends, and finish each document whose chunks are all done.
+
+One loop keeps the decoder full (``engine.max_batch`` rows; ingest.worker.inflight: any decoder, batch 1 included, runs
+through the same code): it claims a chunk for each free row (and one ahead), each with its own lease, all renewed by
+one heartbeat thread (ingest.ledger.leases); a prefetch thread renders the claimed chunks while the engine decodes
+others (ingest.pages.prefetch); a rendered chunk is turned upright (orientation probes) and submitted; each engine step
+hands back the chunks that ended, and each is checked (caught pages of a multi-page chunk decoded again alone,
+ingest.quality.repair) and stored in its own transaction (ingest.worker.outcome says what becomes of it). A chunk is
+stored only while its lease is held (db.chunks): a worker killed with chunks in flight leaves nothing of them behind,
+the chunks it stored stay stored, and the others are redone by whoever takes their leases next. Stopping (SIGTERM)
+claims nothing more, gives back the chunks not yet decoding, and stores those in flight as they end. A worker given
+``document_ids`` (``uflash run FILE...``) claims and finishes only those documents; a re-run's worker (``fresh_run``)
+claims only the chunks reserved for its run, with the earlier output of the same pages as its draft.
+
+An error of the ledger or of the machine (ingest.errors.infrastructure_problem: the database gone or locked, a disk
+full) fails no chunk and no document: the worker keeps a decoded result and stores it once the ledger takes it, gives
+back a chunk it could not go on with (its attempt not counted), and waits with a growing backoff (ingest.ledger.health),
+saying so loudly, until the ledger works again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from loguru import logger
+
+from db.chunks import LeaseLost, store_chunk
+from db.queue import Claim, claim, release
+from db.session import Database
+from engine.chunk_decode import ChunkDecoder
+from engine.chunk_output import ChunkOutput
+from engine.model.load import ModelLoadError, ModelNotFound
+from ingest.config import Settings
+from ingest.errors import ModelUnavailable, infrastructure_problem
+from ingest.ledger.health import Trouble
+from ingest.ledger.leases import LeaseKeeper, say_whose_leases
+from ingest.ledger.owners import this_process
+from ingest.pages.prefetch import NotPrepared, Prefetcher, Prepared
+from ingest.pages.prepare import PreparedChunk, Turns, Unreadable
+from ingest.worker.finish import Finisher
+from ingest.worker.inflight import batched, poll_all
+from ingest.worker.lifecycle import RunHandle, take_over_from_the_gone
+from ingest.worker.outcome import (
+    checked_stats,
+    chunk_note,
+    decode_failed,
+    is_out_of_memory,
+    page_rows,
+    requeued_ranges,
+    unreadable,
+)
+
+AHEAD = 1  # chunks claimed and rendered beyond the free rows, so that a row that frees is filled at once
+
+
+@dataclass
+class Worker:
+    settings: Settings
+    db: Database
+    make_decoder: Callable[[], ChunkDecoder]
+    owner: str = field(default_factory=this_process)
+    on_pages: Callable[[int], None] | None = None  # progress: pages stored
+    fresh_run: dict[str, Any] | None = None  # a re-run: its run records these settings; its own chunks only
+    document_ids: frozenset[int] | None = None  # only these documents' chunks (uflash run FILE...); None: any
+    trouble: Trouble | None = None  # the ledger's or the machine's trouble, if any (made from the settings)
+
+    def __post_init__(self) -> None:
+        self.trouble = self.trouble or Trouble(self.settings.logs, "worker")
+        self.finisher = Finisher(self.settings, self.db, self.document_ids)
+        self.run = RunHandle(self.db, self.owner, self.decoder, self.finisher, self.fresh_run)
+        self.turns = Turns(self.settings)
+        self.leases = LeaseKeeper(self.db, self.settings.worker)
+        self.idle = False  # the last look found nothing to claim and nothing in hand
+        self.inflight: dict[int, PreparedChunk] = {}  # chunk id -> the chunk decoding now
+        self._ready: list[Prepared] = []  # chunks the prefetch thread made ready, waiting for a free row
+        self._decoder: Any = None
+        self._unsettled: list[Claim] = []  # chunks whose handling the ledger's trouble cut short: given back
+        self._stop: threading.Event | None = None
+        self._waiting_on: frozenset[str] = frozenset()  # owners of the leases the last idle poll found (logged once)
+        self._next_look = 0.0  # while chunks decode, the queue found empty is looked at again from then on
+
+    def decoder(self) -> Any:
+        if self._decoder is None:
+            try:
+                self._decoder = batched(self.make_decoder())
+            except (ModelNotFound, ModelLoadError) as e:
+                raise ModelUnavailable(str(e)) from None
+        return self._decoder
+
+    def run_id(self) -> int:
+        return self.run.open()
+
+    def close_run(self) -> int | None:
+        return self.run.close()
+
+    # -- the loop --------------------------------------------------------------------------------
+    def serve(self, stop: threading.Event, until: Callable[[], bool] | None = None) -> None:
+        """Claim and run chunks until ``stop`` is set (then the chunks in flight are finished) or ``until()`` says the
+        wanted work is done. Trouble with the ledger or the machine is waited out with a growing backoff."""
+        self._stop, first = stop, True
+        prefetch = Prefetcher(self.settings, self.db)
+        try:
+            with self.leases, prefetch:
+                while not (stop.is_set() and not self.inflight):
+                    try:
+                        self._give_back(self._unsettled)
+                        if first:
+                            self.finisher.finish_ready()
+                            first = False
+                        if until is not None and not (self.inflight or prefetch.pending or self._ready) and until():
+                            return
+                        self._step(stop, prefetch)
+                        self.trouble.ok()
+                    except Exception as e:
+                        if (problem := infrastructure_problem(e)) is None:
+                            raise
+                        stop.wait(self.trouble.failed(problem))
+        finally:
+            self._give_back(prefetch.left() + [r.claim for r in self._ready] + self._unsettled)
+            self._ready = []
+
+    def _give_back(self, claims: list[Claim]) -> None:
+        while claims:
+            c = claims[-1]
+            if release(self.db, c):
+                logger.info("chunk {} given back to the queue: it is decoded again", c.chunk_id)
+            self.leases.drop(c)
+            claims.pop()
+
+    def _step(self, stop: threading.Event, prefetch: Prefetcher) -> None:
+        """One turn: claim for the free rows, submit what is rendered, one engine step (or wait a poll when idle)."""
+        found = self._claim_ahead(prefetch) if not stop.is_set() else 0
+        self._ready += prefetch.take(wait=0.0 if self.inflight or self._ready else 0.05)
+        if stop.is_set():  # nothing more starts: given back at the next turn
+            self._unsettled += [r.claim for r in self._ready]
+            self._ready = []
+        while self._ready and (not self.inflight or self.decoder().free_rows > 0):
+            self._start(self._ready.pop(0), stop)
+        if self.inflight:
+            ended = [(self.inflight.pop(key), out) for key, out in poll_all(self.decoder()) if key in self.inflight]
+            for i, (chunk, out) in enumerate(ended):
+                try:
+                    self._ended(chunk, out)
+                except Exception:  # the ledger's trouble: the chunks after it are given back
+                    self._unsettled += [later.claim for later, _ in ended[i + 1:]]
+                    raise
+            return
+        self.idle = not found and not prefetch.pending and not self._ready
+        if self.idle:
+            self._log_leased()
+            self.finisher.finish_ready()
+            stop.wait(self.settings.worker.poll_seconds)
+
+    def _log_leased(self) -> None:
+        self._waiting_on = say_whose_leases(self.db, self.owner, self.run.reserved(), self.document_ids,
+                                            self._waiting_on)
+
+    def _claim_ahead(self, prefetch: Prefetcher) -> int:
+        """Claim a chunk for each row the decoder has free (and ``AHEAD`` more); hand each to the prefetch thread."""
+        w = self.settings.worker
+        rows = self._decoder.free_rows if self._decoder is not None else 1
+        room, found = rows + AHEAD - prefetch.pending - len(self._ready), 0
+        if room > 0 and self.inflight and time.monotonic() < self._next_look:
+            return 0  # the queue was empty a moment ago: the engine steps on without asking the ledger every step
+        if room > 0:
+            take_over_from_the_gone(self.settings, self.db, self.finisher)
+        while room > 0:
+            c = claim(self.db, self.owner, w.lease_seconds, w.max_attempts, document_ids=self.document_ids,
+                      run_id=self.run_id() if self.fresh_run is not None else None)
+            if c is None:
+                self._next_look = time.monotonic() + w.poll_seconds
+                break
+            self.leases.hold(c)
+            prefetch.put(c)
+            room, found, self._waiting_on = room - 1, found + 1, frozenset()
+        return found
+
+    def _start(self, ready: Prepared, stop: threading.Event) -> None:
+        """A chunk the prefetch thread made ready: turned upright and submitted (or failed, or given back)."""
+        c = ready.claim
+        if isinstance(ready, NotPrepared) or stop.is_set():  # given back at the next turn (or on leaving)
+            self._unsettled.append(c)
+            if isinstance(ready, NotPrepared):
+                raise ready.error
+            return
+        if isinstance(ready, Unreadable):
+            self.leases.drop(c)
+            return unreadable(self.settings, self.db, ready)
+        try:
+            decoder = self.decoder()
+            self.run.open()
+        except ModelUnavailable as e:
+            self.leases.drop(c)
+            release(self.db, c, reason=f"model unavailable: {e}")
+            raise
+        logger.info("decoding {} (attempt {})", ready.label, c.attempts)
+        self.inflight[c.chunk_id] = ready
+        cap, limit = self.settings.engine.max_tokens_per_page, self.settings.engine.context_limit
+        try:
+            self.turns.turn_upright(decoder, ready)
+            early = decoder.submit(c.chunk_id, [p.image for p in ready.pages], limit,
+                                   cap * len(ready.pages) if cap else None, reference_texts=ready.references,
+                                   replay_ids=ready.replay)
+        except Exception as e:  # the chunk's own failure (a probe or its admission), unless the ledger's
+            early = e
+        if early is not None:
+            self._ended(self.inflight.pop(c.chunk_id), early)
+
+    def _ended(self, chunk: PreparedChunk, out: ChunkOutput | BaseException) -> None:
+        """A chunk whose decode ended: checked and stored, or split, retried or failed (ingest.worker.outcome)."""
+        c, decoder = chunk.claim, self.decoder()
+        self._unsettled.append(c)  # until settled: the ledger's trouble half-way gives it back
+        if isinstance(out, BaseException):
+            if infrastructure_problem(out):  # e.g. the ledger failed while probing: no attempt is spent on it
+                raise out
+            if is_out_of_memory(out):
+                decoder.free_memory()
+            self.leases.drop(c)  # the heartbeat stops before the write that ends the lease
+            decode_failed(self.settings, self.db, c, chunk.label, out, decoder.device, self.run.reserved())
+        elif self.leases.lost(c):
+            logger.warning("{}: lease lost while decoding; dropping the result", chunk.label)
+        else:
+            cap, limit = self.settings.engine.max_tokens_per_page, self.settings.engine.context_limit
+            tokenizer = getattr(getattr(decoder, "loaded", None), "tokenizer", None)
+            stats = checked_stats(self.settings, chunk, out, tokenizer,
+                                  lambda images, refs: decoder.decode(images, limit, cap, reference_texts=refs))
+            self.leases.drop(c)  # (a lease taken over meanwhile: the store finds it gone and stores nothing)
+            self._store(chunk, out, stats)
+        self._unsettled.remove(c)
+        self.leases.drop(c)
+
+    def _store(self, chunk: PreparedChunk, out: ChunkOutput, stats: list[dict[str, Any]]) -> None:
+        """Store the decoded chunk; while the ledger is in trouble the result is kept, and stored once it works."""
+        c, decoder = chunk.claim, self.decoder()
+        rows = page_rows(chunk, out, stats, decoder.mode)
+        ranges = requeued_ranges(c, out)
+        note = chunk_note(out, ranges)
+        try:
+            ready = self.trouble.retrying(f"cannot store {chunk.label}", self._stop, lambda: store_chunk(
+                self.db, c, self.run.open(), rows, new_ranges=ranges, note=note, stats=out.chunk_stats,
+                output_ids=out.output_ids, reserved_for=self.run.reserved()))
+        except LeaseLost:  # taken over by another worker (or stored by this one before the ledger failed)
+            return logger.warning("{}: lease lost before storing; dropping the result", chunk.label)
+        self.trouble.ok()
+        s = out.chunk_stats
+        logger.info("{}: {} pages, {} tokens in {:.1f}s ({:.1f} tok/s), finish {}{}", chunk.label, len(rows),
+                    s.get("output_tokens", 0), s.get("seconds", 0.0), s.get("tokens_per_second", 0.0),
+                    out.finish_reason, f"; {note}" if note else "")
+        if self.on_pages:
+            self.on_pages(len(rows))
+        if ready:
+            self.finisher.finish(c.document_id)
+
+
+def make_worker(settings: Settings, db: Database, **kw: Any) -> Worker:
+    """A worker that loads the configured model in the configured mode (``engine.max_batch`` rows) on
+    ``model.device`` when it first needs it."""
+
+    def load() -> ChunkDecoder:
+        from engine.loading import load_decoder
+
+        m, e = settings.model, settings.engine
+        if m.device.startswith("cuda:"):  # one worker per GPU: this process's CUDA work goes to its card
+            import torch
+
+            torch.cuda.set_device(m.device)
+        return load_decoder(settings.model_path, m.device, m.dtype, e.mode, e.fast_threshold, max_batch=e.max_batch,
+                            kernels=e.kernels, max_pages_per_chunk=e.max_pages_per_chunk)
+
+    return Worker(settings, db, load, **kw)
