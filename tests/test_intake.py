@@ -85,15 +85,38 @@ def test_chunks_respect_page_cap(settings, db):
     assert ranges == [(1, 4), (5, 8), (9, 10)]
 
 
+# Each real sample's kind and page count, counted by hand from the files (multipage.pdf holds six scans,
+# cardinal.pdf one page rotated four ways); the two that are not documents are refused.
+REAL_SAMPLES = {
+    "aspect.pdf": ("pdf", 1), "baiona.png": ("png", 1), "c02-22.pdf": ("pdf", 1), "cardinal.pdf": ("pdf", 4),
+    "ccitt.pdf": ("pdf", 1), "epson.pdf": ("pdf", 1), "francais.pdf": ("pdf", 1), "graph_ocred.pdf": ("pdf", 1),
+    "jbig2.pdf": ("pdf", 1), "kcs.pdf": ("pdf", 1), "linn.pdf": ("pdf", 1), "multipage.pdf": ("pdf", 6),
+    "no_contents.pdf": ("pdf", 1), "skew.pdf": ("pdf", 1), "trivial.pdf": ("pdf", 1), "typewriter.png": ("png", 1),
+}
+REAL_REFUSED = {"invalid.pdf", "linn.txt"}
+
+
 @pytest.mark.skipif(not SAMPLES.is_dir(), reason="../shared/samples/real not present")
 def test_real_world_samples(settings):
-    expect_bad = {"invalid.pdf", "linn.txt"}
-    for p in sorted(SAMPLES.iterdir()):
-        if p.name in expect_bad:
-            with pytest.raises(InputRejected):
-                probe_file(p, settings.watch.max_page_pixels)
-        elif p.suffix.lower() in (".pdf", ".png"):
-            assert probe_file(p, settings.watch.max_page_pixels).page_count >= 1, p.name
+    names = {p.name for p in SAMPLES.iterdir()}
+    assert names == set(REAL_SAMPLES) | REAL_REFUSED, "every sample has its expected kind and page count here"
+    for name in sorted(REAL_REFUSED):
+        with pytest.raises(InputRejected):
+            probe_file(SAMPLES / name, settings.watch.max_page_pixels)
+    got = {name: probe_file(SAMPLES / name, settings.watch.max_page_pixels) for name in REAL_SAMPLES}
+    assert {name: (p.kind, p.page_count) for name, p in got.items()} == REAL_SAMPLES
+
+
+@pytest.mark.skipif(not SAMPLES.is_dir(), reason="../shared/samples/real not present")
+def test_real_scans_saved_as_tiff_and_jpeg(settings, tmp_path):
+    """The real scans the samples hold only as PNG, saved as a three-page TIFF and as JPEG: same pages."""
+    pages = [Image.open(SAMPLES / n).convert("RGB") for n in ("typewriter.png", "baiona.png", "typewriter.png")]
+    tif, jpg = tmp_path / "scans.tif", tmp_path / "typewriter.jpg"
+    pages[0].save(tif, save_all=True, append_images=pages[1:])
+    pages[0].save(jpg, "JPEG")
+    got = {p.name: probe_file(p, settings.watch.max_page_pixels) for p in (tif, jpg)}
+    assert {name: (p.kind, p.page_count) for name, p in got.items()} == {"scans.tif": ("tiff", 3),
+                                                                        "typewriter.jpg": ("jpeg", 1)}
 
 
 def test_files_named_outside_the_inbox_are_copied_never_moved(settings, db, tmp_path):
