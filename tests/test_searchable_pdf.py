@@ -89,7 +89,12 @@ def test_real_samples_become_searchable_pdfs(tmp_path):
         pages = [{"index": i, "text": "", "boxes": [{"label": "text", "box": [50, 50, 950, 150],
                                                     "text": f"probe word {i}"}]} for i in range(1, probed.page_count + 1)]
         out = write_searchable_pdf(tmp_path / f"{src.stem}.pdf", src, probed.kind, pages)
-        with pymupdf.open(out) as doc:
-            assert doc.page_count == probed.page_count, src.name
+        own = words(src) if probed.kind == "pdf" else [""] * probed.page_count
+        # a page with its own text layer keeps it; every other page carries the text it was given, read back
+        expected = [o if chars else f"probe word {i}" for i, (o, chars) in
+                    enumerate(zip(own, probed.text_chars or (0,) * probed.page_count), start=1)]
+        got = words(out)
+        assert len(got) == probed.page_count, src.name
+        assert [" ".join(t.split()) for t in got] == [" ".join(t.split()) for t in expected], src.name
         made += 1
     assert made >= 10
