@@ -350,11 +350,21 @@ def test_chunks_with_a_full_copy_source_decode_without_the_block_drafter(tiny):
     assert "block" in names(both, ["page one text"])
 
 
-def test_train_drafter_decodes_with_the_init_drafter_and_live_checks_after_a_warmup(tmp_path):
+def test_train_drafter_decodes_with_the_init_drafter_and_live_checks_after_a_warmup(tmp_path, monkeypatch):
     """`--data decode --init D` decodes the teacher pages with `lossless` + D in one batch (same tokens, or the
     teacher forward would refuse them); `--eval-only` live-checks a drafter after one untimed warm-up chunk on both
-    sides, each chunk alone and (`--eval-batch`) all in one batch."""
+    sides, each chunk alone and (`--eval-batch`) all in one batch. Each timed decode is given a known time (plain 3 s,
+    lossless 2 s), so the record's times and speed-up are checked against figures the test knows."""
+    from scripts.train import drafter_live_check
     from scripts.train.drafter import main
+
+    real_timed_run = drafter_live_check._timed_run
+
+    def timed_run(engine, chunks, max_new_tokens):
+        results, _seconds = real_timed_run(engine, chunks, max_new_tokens)
+        return results, {"plain": 3.0, "lossless": 2.0}[engine.mode]
+
+    monkeypatch.setattr(drafter_live_check, "_timed_run", timed_run)
 
     model = build_tiny_model(tmp_path / "target", sliding_window=8, seed=3, text_init=0.02)
     common = ["--model", str(model), "--device", "cpu", "--dtype", "float32", "--max-new-tokens", "50"]
@@ -372,9 +382,11 @@ def test_train_drafter_decodes_with_the_init_drafter_and_live_checks_after_a_war
     assert record["decoded_heldout"]["pages"] == 2 and record["decoded_heldout"]["tokens"] == 2 * 50
     assert leading_matches_sum_to_tau(record["decoded_heldout"])
     ev = record["eval"]
-    assert ev["identical"] == ev["chunks"] == 2 and ev["warmup_chunks"] == 1 and ev["warmup_s"]["block"] > 0
+    assert ev["identical"] == ev["chunks"] == 2 and ev["warmup_chunks"] == 1
+    assert ev["warmup_s"] == {"plain": 3.0, "block": 2.0}  # the one warm-up chunk, kept apart from the timed ones
     assert ev["batch"] == 1 and ev["backend"] == "eager" and ev["tokens"] == 2 * 50  # each chunk to its limit
-    assert ev["speedup_vs_plain"] == pytest.approx(ev["plain_s"] / ev["block_s"], rel=0.02)
+    assert (ev["plain_s"], ev["block_s"], ev["speedup_vs_plain"]) == (6.0, 4.0, 1.5)  # two chunks, each alone
+    assert (ev["plain_tok_s"], ev["block_tok_s"]) == (round(100 / 6.0, 1), 100 / 4.0)  # tokens a second
     # the timed chunks verify block drafts only while the width policy expects them to pay, and after the warm-up it
     # knows this barely trained drafter's record: a step-time matter on a busy machine. Its positions: none or k_max.
     assert len(ev["acceptance_by_position"]) in (0, 4) and any(w.endswith("+block") for w in ev["ms_step_by_width"])
@@ -383,3 +395,6 @@ def test_train_drafter_decodes_with_the_init_drafter_and_live_checks_after_a_war
     ev = json.loads(record_path.read_text())["eval"]
     assert ev["identical"] == ev["chunks"] == ev["batch"] == 3 and ev["warmup_chunks"] == 0
     assert ev["warmup_s"] == {"plain": 0.0, "block": 0.0}
+    assert (ev["plain_s"], ev["block_s"], ev["speedup_vs_plain"]) == (3.0, 2.0, 1.5)  # one batch a side
+    # no warm-up: the width policy has measured no step yet, takes the widest width, and so verifies block drafts
+    assert len(ev["acceptance_by_position"]) == 4 and ev["draft_share"] > 0
