@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from ingest.config import load_settings
+from ingest.config import Settings, load_settings
 from ingest.errors import ConfigError
 from tests.conftest import uflash, write_config
 
@@ -32,7 +32,11 @@ def test_shipped_config_toml_loads(monkeypatch):
     for key in [k for k in os.environ if k.startswith("UFLASH_")]:
         monkeypatch.delenv(key)
     s = load_settings(Path(__file__).resolve().parents[1] / "config.toml")
-    assert s.engine.mode == "lossless"
+    shipped, builtin = s.model_dump(), Settings().model_dump()
+    assert shipped["engine"].pop("max_pages_per_chunk") == 4  # the one key it sets apart: the demo model's 1-4 pages
+    builtin["engine"].pop("max_pages_per_chunk")
+    assert shipped == builtin
+    assert (s.engine.mode, s.quality.repair, s.orientation.auto, s.model.path) == ("lossless", True, True, "models/demo")
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,60 @@
+"""config.toml, ingest/config.py and docs/configuration.md name the same keys with the same defaults."""
+
+import re
+import tomllib
+from pathlib import Path
+
+from ingest.config import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def builtin_defaults() -> dict[str, dict]:
+    """Each section's keys and their defaults in ingest/config.py (paths as the text they are written as)."""
+    out = {}
+    for section, field in Settings.model_fields.items():
+        if field.exclude:  # where the settings came from, not a key of the file
+            continue
+        out[section] = {k: str(f.default) if isinstance(f.default, Path) else f.default
+                        for k, f in field.annotation.model_fields.items()}
+    return out
+
+
+def toml_keys(text: str) -> dict[str, dict]:
+    """config.toml's keys per section: those set, and those shown commented out (``# key = value``) as None."""
+    out: dict[str, dict] = {}
+    for section, body in re.findall(r"^\[(\w+)\]\n(.*?)(?=^\[|\Z)", text, flags=re.M | re.S):
+        out[section] = dict.fromkeys(re.findall(r"^# (\w+) = ", body, flags=re.M))
+        out[section].update(tomllib.loads(body))
+    return out
+
+
+def _value(cell: str):
+    return None if cell == "none" else tomllib.loads(f"v = {cell}")["v"]
+
+
+def doc_tables(text: str) -> dict[str, dict]:
+    """docs/configuration.md's table per ``## `[section]` ``: key -> (default as config.toml sets it, built-in)."""
+    out = {}
+    for section, body in re.findall(r"^## `\[(\w+)\]`\n(.*?)(?=^## |\Z)", text, flags=re.M | re.S):
+        rows = {}
+        for key, cell in re.findall(r"^\| `(\w+)` \| ([^|]+?) \|", body, flags=re.M):
+            m = re.fullmatch(r"(?:`(.+?)`|(none))(?: \(built-in: `(.+)`\))?", cell)
+            assert m, (section, key, cell)
+            shown = _value(m[1] or m[2])
+            rows[key] = (shown, _value(m[3]) if m[3] else shown)
+        out[section] = rows
+    return out
+
+
+def test_config_toml_config_py_and_the_docs_agree():
+    builtin = builtin_defaults()
+    shipped = toml_keys((ROOT / "config.toml").read_text(encoding="utf-8"))
+    docs = doc_tables((ROOT / "docs" / "configuration.md").read_text(encoding="utf-8"))
+    assert list(docs) == list(shipped) == list(builtin)  # the same sections, in the same order
+    for section, keys in builtin.items():
+        assert set(docs[section]) == set(shipped[section]) == set(keys), section
+        for key, default in keys.items():
+            shown, documented_builtin = docs[section][key]
+            assert documented_builtin == default, (section, key, "docs vs ingest/config.py")
+            assert shown == shipped[section][key], (section, key, "docs vs config.toml")
