@@ -26,7 +26,7 @@ from db.queue import end_leases_of_gone_owners
 from db.runs import close_run, close_runs_of_gone_owners, open_run
 from db.session import Database
 from ingest.config import Settings
-from ingest.errors import ModelUnavailable, infrastructure_problem
+from ingest.errors import ExitCode, ModelUnavailable, infrastructure_problem
 from ingest.ledger.owners import is_gone
 from ingest.worker.finish import Finisher
 
@@ -140,7 +140,7 @@ def stop_event() -> threading.Event:
         if stop.is_set():
             logger.warning("signal {} again: stopping now; the chunk in progress is redone by the next worker", signum)
             logger.remove()  # closes (flushes) the log file before the hard exit
-            os._exit(130)
+            os._exit(ExitCode.INTERRUPTED)
         logger.info("signal {} received: finishing the current step, then stopping (again: stop now)", signum)
         stop.set()
 

@@ -38,6 +38,8 @@ import pymupdf
 import torch
 from tqdm import tqdm
 
+from ingest.errors import ExitCode
+
 WORDS = ("archive register record volume folio entry parish county deed survey estate witness clerk index "
          "census ledger account total balance payment year month date name place office number page").split()
 
@@ -236,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     print(json.dumps(report, separators=(",", ":")))
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ from concurrent.futures import ProcessPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ingest.errors import ExitCode
+
 
 def write_documents(folder: Path, docs: int, pages: int, seed0: int, scan: bool, ladder: bool = False) -> list[Path]:
     from scripts.synth import HELD_OUT_LIMIT
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1))
     print(json.dumps(report, separators=(",", ":")))
-    return 0 if all(r["exit_code"] == 0 for r in report["settings"]) else 1
+    return ExitCode.OK if all(r["exit_code"] == ExitCode.OK for r in report["settings"]) else ExitCode.UNEXPECTED
 
 
 if __name__ == "__main__":

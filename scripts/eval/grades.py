@@ -21,6 +21,7 @@ import json
 import sys
 from pathlib import Path
 
+from ingest.errors import ExitCode
 from scripts.eval.ladder_decode import (
     INK_LONG_GRID,
     INK_SHORT_GRID,
@@ -307,7 +308,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     {"decode": decode, "table": table}[args.cmd](args)
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from engine.loading import load_decoder
 from ingest.config import OrientationSettings
+from ingest.errors import ExitCode
 from ingest.pages.orientation import (
     choose_turn,
     decoder_probe,
@@ -159,7 +160,7 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=1))
     print(json.dumps(record))
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

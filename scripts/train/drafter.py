@@ -48,6 +48,7 @@ from tqdm import tqdm
 
 from engine.drafters.block import BlockDrafterConfig, BlockDrafterNet, block_loss, drafter_folder
 from engine.drafters.block_teacher import label_features, make_examples, teacher_features, training_windows
+from ingest.errors import ExitCode
 from scripts.train.drafter_live_check import chunked, evaluate
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".tif", ".tiff"}
@@ -420,7 +421,7 @@ def main(argv=None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(record, indent=1))
         print(json.dumps(record))
-        return 0
+        return ExitCode.OK
     t0 = time.time()
     labels = None
     if args.images:
@@ -487,7 +488,7 @@ def main(argv=None) -> int:
     print(json.dumps(record))
     if tmp is not None:
         tmp.cleanup()
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":
