@@ -105,18 +105,19 @@ def test_demo_model_reads_sentences_the_test_chooses(demo):
     """A page rendered from a sentence this test chooses (plain English, mostly words the generator's word
     list lacks) comes back in the page's Markdown, CER <= 5% (and each of six such sentences at <= 10%, mean <= 5%).
     Decoded the way uflash decodes (lossless engine, token-identical to official)."""
+    from rapidfuzz.distance import Levenshtein
+
     from engine.batch.engine import BatchEngine
     from engine.official import decode_text
     from ingest.reading.text import page_markdown
     from scripts.eval.demo import OPEN_SENTENCES
-    from scripts.train.demo_model import levenshtein
 
     engine = BatchEngine(demo, "lossless", max_batch=len(OPEN_SENTENCES))
     results = engine.run([engine.prepare([sentence_page(sentence)], 200) for sentence in OPEN_SENTENCES])
     cers = {}
     for sentence, res in zip(OPEN_SENTENCES, results):
         read = " ".join(page_markdown(decode_text(demo, res.output_ids)).split())
-        cers[sentence] = levenshtein(read, sentence) / len(sentence)
+        cers[sentence] = Levenshtein.distance(read, sentence) / len(sentence)
     chosen = "The quick brown fox jumps over the lazy dog near the river bank."
     assert cers[chosen] <= 0.05, cers
     assert max(cers.values()) <= 0.10 and sum(cers.values()) / len(cers) <= 0.05, cers

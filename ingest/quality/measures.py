@@ -28,6 +28,8 @@ import statistics
 from collections.abc import Hashable, Sequence
 from typing import Any
 
+from rapidfuzz.distance import Levenshtein
+
 from ingest.config import Thresholds
 
 
@@ -79,32 +81,7 @@ def finish_reason(raw: str, ids: Sequence[Hashable], thresholds: Thresholds | No
 
 def edit_distance(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
     """Levenshtein distance (insert, delete, substitute: 1 each) of two strings or token lists."""
-    if len(a) < len(b):
-        a, b = b, a
-    m = len(b)
-    if m == 0:
-        return len(a)
-    peq: dict[Hashable, int] = {}
-    for i, c in enumerate(b):
-        peq[c] = peq.get(c, 0) | (1 << i)
-    full = (1 << m) - 1
-    high = 1 << (m - 1)
-    pv, mv, score = full, 0, m
-    for c in a:
-        eq = peq.get(c, 0)
-        xv = eq | mv
-        xh = (((eq & pv) + pv) ^ pv) | eq
-        ph = mv | (~(xh | pv) & full)
-        mh = pv & xh
-        if ph & high:
-            score += 1
-        elif mh & high:
-            score -= 1
-        ph = ((ph << 1) | 1) & full
-        mh = (mh << 1) & full
-        pv = mh | (~(xv | ph) & full)
-        mv = ph & xv
-    return score
+    return Levenshtein.distance(a, b)
 
 
 def normalized_edit_distance(a: Sequence[Hashable], b: Sequence[Hashable]) -> float:

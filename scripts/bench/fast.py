@@ -72,13 +72,14 @@ def write_documents(inbox: Path, n_pages: int, pages_per_doc: int, seed: int, sc
 def cer_to_labels(texts: dict, labels: dict) -> float:
     """Character error rate of a pass's pages against the generator's labels (markup stripped, whitespace
     collapsed): how close each pass is to the truth, not to the other pass."""
+    from rapidfuzz.distance import Levenshtein
+
     from scripts.synth import strip_markup
-    from scripts.train.demo_model import levenshtein
 
     edits = chars = 0
     for (name, i), text in texts.items():
         ref = strip_markup(labels[(name, i - 1)])  # the ledger's page_index is 1-based
-        edits += levenshtein(strip_markup(text or ""), ref)
+        edits += Levenshtein.distance(strip_markup(text or ""), ref)
         chars += len(ref)
     return edits / max(1, chars)
 

@@ -26,9 +26,10 @@ import sys
 import time
 from pathlib import Path
 
+from rapidfuzz.distance import Levenshtein
+
 from scripts.synth import HELD_OUT_LIMIT, make_document, render_pages, strip_markup
 from scripts.synth.text import paragraph
-from scripts.train.demo_model import levenshtein
 
 RENDER_PX = 1024  # ingest/pages/render.py DEFAULT_TARGET_PX (raised to the model's base size when that is larger)
 
@@ -135,7 +136,7 @@ class Scorer:
 
     def add(self, kind, name, pred, ref, finish, tokens, seconds, note=""):
         p, r = strip_markup(pred), strip_markup(ref)
-        edits = levenshtein(p, r)
+        edits = Levenshtein.distance(p, r)
         self.rows.append(dict(kind=kind, name=name, cer=edits / max(1, len(r)), edits=edits, chars=len(r),
                               finish=finish, tokens=tokens, seconds=seconds, note=note))
         if self.progress is not None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from rapidfuzz.distance import Levenshtein
 
 from engine.model.tiny import BOS, CONTROL_TOKENS, EOS, PAD
 from engine.official import PROMPTS, rswa_mask
@@ -464,18 +465,6 @@ def save_model(model, tokenizer, folder: Path, image_size: int, shard_bytes: int
 
 
 # ---------------------------------------------------------------- metrics
-def levenshtein(a: str, b: str) -> int:
-    if len(a) < len(b):
-        a, b = b, a
-    prev = list(range(len(b) + 1))
-    for i, ca in enumerate(a, 1):
-        cur = [i]
-        for j, cb in enumerate(b, 1):
-            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
-        prev = cur
-    return prev[-1]
-
-
 def cer(pred: str, ref: str) -> float:
     """Character error rate: edit distance / reference length (texts already normalised)."""
-    return levenshtein(pred, ref) / max(1, len(ref))
+    return Levenshtein.distance(pred, ref) / max(1, len(ref))
