@@ -32,16 +32,11 @@ FORMULA = ("WC = product of the probabilities the model gave the tokens overlapp
 
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte <-> printable-character table (used by byte-level BPE tokenizers), reversed."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    """The byte-level BPE alphabet (printable character -> byte), as transformers' tokenizers map it, reversed.
+    Imported here: a tokenizer, and so transformers, is loaded whenever token pieces are read."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 def token_bytes(tokenizer: Any, ids: list[int]) -> list[bytes]:
