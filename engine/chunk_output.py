@@ -38,6 +38,7 @@ class ChunkOutput:
     finish_reason: str  # eos | length | context_limit | no_room
     requeue: bool = False  # pages after len(pages) must be decoded again (in a new chunk)
     note: str | None = None
+    pages_returned: int | None = None  # the pages the model wrote, where not one per input page
     output_ids: list[int] = field(default_factory=list)
     chunk_stats: dict[str, Any] = field(default_factory=dict)
 
@@ -82,25 +83,27 @@ def assemble(res: DecodeResult, n_in: int, hit_context: bool, page_sep_id: int |
     if n_in == 1:
         text = res.text.replace(PAGE_SEPARATOR, "\n").strip() if PAGE_SEPARATOR in res.text else res.text.strip()
         reason = "eos" if finished else ("context_limit" if hit_context else "length")
-        texts, kept_reasons, requeue, note = [text], [reason], False, None
+        texts, kept_reasons, requeue, note, returned = [text], [reason], False, None, None
     else:
         pieces = split_pages(res.text, PAGE_SEPARATOR)
         if not finished:
             complete = pieces[:-1]  # the last piece was cut by the limit
             texts = complete[:n_in]
             requeue = len(texts) < n_in
-            note = None
+            note, returned = None, None
             if not requeue and len(complete) > n_in:
+                returned = len(complete)
                 note = f"model produced {len(complete)} pages for {n_in} input pages; extra text kept on page {n_in}"
                 texts[-1] = "\n\n".join(complete[n_in - 1 :])
         elif len(pieces) >= n_in:
-            texts, requeue, note = pieces[:n_in], False, None
+            texts, requeue, note, returned = pieces[:n_in], False, None, None
             if len(pieces) > n_in:
+                returned = len(pieces)
                 note = f"model produced {len(pieces)} pages for {n_in} input pages; extra text kept on page {n_in}"
                 texts[-1] = "\n\n".join(pieces[n_in - 1 :])
         else:
             texts = pieces if any(pieces) else []
-            requeue = True
+            requeue, returned = True, len(texts)
             note = f"model produced {len(texts)} pages for {n_in} input pages"  # the worker names what it re-queues
         kept_reasons = ["page_separator"] * len(texts)
         if texts and finished and not requeue:
@@ -133,7 +136,7 @@ def assemble(res: DecodeResult, n_in: int, hit_context: bool, page_sep_id: int |
     ]
     finish = "eos" if finished else ("context_limit" if hit_context else "length")
     return ChunkOutput(pages=pages, n_input_pages=n_in, finish_reason=finish, requeue=requeue, note=note,
-                       output_ids=list(res.output_ids), chunk_stats={
+                       pages_returned=returned, output_ids=list(res.output_ids), chunk_stats={
                            "prompt_tokens": len(res.prompt_ids), "output_tokens": tokens,
                            "seconds": round(res.seconds, 4),
                            "tokens_per_second": round(tokens / res.seconds, 2) if res.seconds > 0 else 0.0,

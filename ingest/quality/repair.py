@@ -50,7 +50,7 @@ def _chunk_checks(stats: list[dict[str, Any]], texts: Sequence[str], out: ChunkO
                   first: int) -> None:
     """Add the chunk-level figures to each page's quality, in place: repeats of an earlier page (by its page number
     in the document; the chunk starts at page ``first``), page count."""
-    mismatch = out.n_input_pages > 1 and (out.note or "").startswith("model produced")
+    mismatch = out.n_input_pages > 1 and out.pages_returned is not None
     found = repeats([plain_text(x) for x in texts], t, later_only=True)
     for st, rep in zip(stats, found):
         q = st["quality"]
@@ -58,15 +58,7 @@ def _chunk_checks(stats: list[dict[str, Any]], texts: Sequence[str], out: ChunkO
         if rep is not None:
             q["repeats"] = {**rep, "page": first + rep["page"] - 1, "scope": "chunk"}
         if mismatch:
-            q["pages_mismatch"] = {"given": out.n_input_pages, "returned": _returned(out)}
-
-
-def _returned(out: ChunkOutput) -> int:
-    """Pages the model wrote ("model produced N pages for M input pages")."""
-    try:
-        return int((out.note or "").split()[2])
-    except (IndexError, ValueError):
-        return len(out.pages)
+            q["pages_mismatch"] = {"given": out.n_input_pages, "returned": out.pages_returned}
 
 
 def chunk_page_stats(out: ChunkOutput, images: Sequence, text_layers: Sequence[str | None], tokenizer: Any,

@@ -81,7 +81,8 @@ def chunk_outputs(doc: dict[str, Any]):
         pages = [PageOutput(text=p["text"], boxes=[], stats={k: v for k, v in p["stats"].items() if v is not None},
                             ids=p["ids"], logprobs=p["logprobs"]) for p in ch["pages"]]
         yield ch["first"], ChunkOutput(pages=pages, n_input_pages=ch["last"] - ch["first"] + 1,
-                                       finish_reason=ch["finish_reason"], requeue=ch["requeue"], note=ch["note"])
+                                       finish_reason=ch["finish_reason"], requeue=ch["requeue"], note=ch["note"],
+                                       pages_returned=ch.get("pages_returned"))
 
 
 def page_images(doc: dict[str, Any]) -> list:
@@ -250,6 +251,7 @@ def decode_ladder(folder: Path, model: str, docs: int, seed0: int = SEED0, devic
                 _, seed, a, b = key
                 doc = docs_open[seed]
                 doc["chunks"].append({"first": a, "last": b, "finish_reason": out.finish_reason, "note": out.note,
+                                      "pages_returned": out.pages_returned,
                                       "requeue": out.requeue, "seconds": out.chunk_stats.get("seconds"),
                                       "pages": [page_record(p) for p in out.pages]})
                 doc["open"] -= 1
