@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sqlite3
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,11 @@ from concurrent.futures import ProcessPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
+from sqlalchemy.exc import SQLAlchemyError
+
+from db.runs import get_run, latest_run_with_pages, run_pages
+from db.session import Database
+from ingest.config import load_settings
 from ingest.errors import ExitCode
 
 
@@ -88,15 +92,21 @@ def one_setting(args, documents: list[Path], max_batch: str, mode: str, work: Pa
     if proc.returncode != 0:
         row["stderr_tail"] = proc.stderr[-2000:]
         print(f"uflash run exited {proc.returncode}:\n{row['stderr_tail']}", file=sys.stderr, flush=True)
-    try:
-        with sqlite3.connect(folder / "uflash.db") as db:
-            stats = [json.loads(s) for (s,) in db.execute("SELECT stats FROM pages")]
-            opened = [c for (c,) in db.execute("SELECT started_at FROM runs ORDER BY id LIMIT 1")]
-            done = [c for (c,) in db.execute("SELECT completed_at FROM documents WHERE completed_at IS NOT NULL")]
-    except sqlite3.OperationalError as exc:  # the run never made its ledger
+    settings = load_settings(config)
+    db = Database(settings.database_url, settings.database.busy_timeout_ms, create=False)
+    try:  # the ledger of this setting's one run, through db/ (a SQLite file or a PostgreSQL server alike)
+        run_id = latest_run_with_pages(db)
+        pages = run_pages(db, run_id) if run_id is not None else []
+        run = get_run(db, run_id) if run_id is not None else None
+    except SQLAlchemyError as exc:  # the run never made its ledger
         row["ledger_error"] = str(exc)
         return row
-    first = min((aware(datetime.fromisoformat(c), started) for c in done), default=None)
+    finally:
+        db.dispose()
+    stats = [page.stats or {} for page, _ in pages]
+    done = list({doc.id: doc.completed_at for _, doc in pages if doc.completed_at is not None}.values())
+    opened = [run.started_at] if run is not None else []
+    first = min((aware(c, started) for c in done), default=None)
     tokens = sum(s.get("tokens", 0) for s in stats)
     decode_s = sum(s.get("verify_s", 0.0) + s.get("single_s", 0.0) + s.get("draft_s", 0.0) for s in stats)
     row.update(pages=len(stats), documents=len(done), pages_per_hour=round(3600 * len(stats) / seconds, 1),
@@ -106,7 +116,7 @@ def one_setting(args, documents: list[Path], max_batch: str, mode: str, work: Pa
                first_document_s=round((first - started).total_seconds(), 2) if first else None)
     # the run opens once the model is loaded: the rate from there (imports and model load left out; graph capture,
     # rendering and the first fill kept)
-    loaded = aware(datetime.fromisoformat(opened[0]), started) if opened else None
+    loaded = aware(opened[0], started) if opened else None
     if loaded is not None and stats:
         row["loaded_s"] = round((loaded - started).total_seconds(), 2)
         row["after_load_pages_per_hour"] = round(3600 * len(stats) / max(1e-9, seconds - row["loaded_s"]), 1)
