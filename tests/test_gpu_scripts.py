@@ -23,7 +23,35 @@ def _keeping_threads(run):
         torch.set_num_threads(threads)
 
 
-def test_bench_engine_tiny_smoke(tmp_path, capsys):
+class TickClock:
+    """A stand-in for ``time`` in the bench: each perf_counter() call moves on by ``tick`` seconds."""
+
+    def __init__(self):
+        self.now, self.tick = 0.0, 1.0
+
+    def perf_counter(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+def test_bench_engine_tiny_smoke(tmp_path, capsys, monkeypatch):
+    """Each timed decode reads the clock twice; the test's clock makes generate take 2 s, plain 1 s and lossless
+    0.5 s, so every rate and ratio in the record has a value the test knows."""
+    clock = TickClock()
+    monkeypatch.setattr(bench_engine, "time", clock)
+    seconds = {"generate": 2.0, "plain": 1.0, "lossless": 0.5}
+
+    def timed(run, mode_of):
+        def wrapper(*args, **kw):
+            clock.tick = seconds[mode_of(args, kw)]
+            try:
+                return run(*args, **kw)
+            finally:
+                clock.tick = 1.0
+        return wrapper
+
+    monkeypatch.setattr(bench_engine, "run_generate", timed(bench_engine.run_generate, lambda a, kw: "generate"))
+    monkeypatch.setattr(bench_engine, "run_engine", timed(bench_engine.run_engine, lambda a, kw: a[4]))
     path = tmp_path / "bench.json"
     rc = _keeping_threads(lambda: bench_engine.main(["--tiny", "--batch", "1,2", "--pages", "1", "--tokens", "24",
                                                      "--rates", "10", "--mem-tokens", "", "--json", str(path)]))
@@ -36,7 +64,10 @@ def test_bench_engine_tiny_smoke(tmp_path, capsys):
         assert not res["errors"] and set(runs) == {"generate", "plain", "lossless-10%"}  # torch kernels on the CPU
         assert all(r["tokens"] == 24 * res["batch"] for r in runs.values())
         assert runs["plain"]["backend"] == "eager" and runs["generate"]["x_generate"] == 1.0
-        assert runs["plain"]["x_generate"] == round(runs["plain"]["tok_s"] / runs["generate"]["tok_s"], 3)
+        tokens = 24 * res["batch"]
+        assert {name: (r["tok_s"], r["x_generate"], r["x_plain"]) for name, r in runs.items()} == {
+            "generate": (tokens / 2.0, 1.0, 0.5), "plain": (tokens / 1.0, 2.0, 1.0),
+            "lossless-10%": (tokens / 0.5, 4.0, 2.0)}
         assert runs["lossless-10%"]["equal_to_plain"] and runs["lossless-10%"]["tau"] >= 3  # drafts 90% right
 
 
