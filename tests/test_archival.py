@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,7 @@ PAGE_TEXTS = [
     "<|det|>figure [80, 300, 600, 700]<|/det|>Abb. 1 Rathaus",
 ]
 UNSURE = "zwölf"  # the test plants a low-probability token on this word
+ELEMENT_BOX = re.compile(r"<\|det\|>\w+ \[(\d+), (\d+), (\d+), (\d+)\]<\|/det\|>")
 
 
 # -- the word layout ----------------------------------------------------------------------------------------------
@@ -182,8 +184,6 @@ def archived(tmp_path_factory, tokenizer, tiny_model_dir):
 
 
 def test_every_alto_file_validates_and_carries_the_words_and_their_confidences(archived):
-    from ingest.reading.words import stored_layout
-
     schema = etree.XMLSchema(etree.parse(str(SCHEMA)))  # imports the local xlink.xsd: no network
     files = sorted((archived.folder / "alto").iterdir())
     assert [f.name for f in files] == ["0001.xml", "0002.xml"]
@@ -193,8 +193,17 @@ def test_every_alto_file_validates_and_carries_the_words_and_their_confidences(a
         assert page["text"] == text
         strings = tree.findall(f".//{ALTO}String")
         assert [s.get("CONTENT") for s in strings] == plain_words(text)  # word for word, no markup
-        wcs = [float(s.get("WC")) for s in strings]
-        assert wcs == [round(w.confidence, 4) for w in stored_layout(page).words()]  # the stored word confidences
+        # every token was given probability 0.999 but the planted one 0.02: a word's confidence is 0.999 to the power
+        # of its tokens (at least one, at most one a byte and one shared with a neighbour), times 0.02 for the planted
+        for word, s in zip(plain_words(text), strings):
+            top = 0.02 if word == UNSURE else 0.999
+            assert round(top * 0.999 ** (len(word.encode()) + 1), 4) <= float(s.get("WC")) <= top, (word, s.get("WC"))
+        # each word inside the box its element's markup gives, scaled from the 0-999 grid to the 768 x 1024 page
+        boxes = [[int(v) * size / GRID for v, size in zip(box, (768, 1024, 768, 1024))] for box in ELEMENT_BOX.findall(text)]
+        for s in strings:
+            x0, y0 = float(s.get("HPOS")), float(s.get("VPOS"))
+            x1, y1 = x0 + float(s.get("WIDTH")), y0 + float(s.get("HEIGHT"))
+            assert any(b[0] - 1 <= x0 < x1 <= b[2] + 1 and b[1] - 1 <= y0 < y1 <= b[3] + 1 for b in boxes), s.get("CONTENT")
         pg = tree.find(f".//{ALTO}Page")
         assert (pg.get("WIDTH"), pg.get("HEIGHT")) == ("768", "1024")  # the page image the model read
         assert pg.get("PHYSICAL_IMG_NR") == str(page["index"]) and pg.get("ROTATION") is None
@@ -217,17 +226,19 @@ def test_every_alto_file_validates_and_carries_the_words_and_their_confidences(a
 def test_the_hocr_parses_with_an_hocr_library_and_carries_the_same_words_and_boxes(archived):
     from hocr.parse import hocr_page_get_dimensions, hocr_page_iterator, hocr_page_to_word_data
 
-    from ingest.reading.words import stored_layout
-
     seen = 0
     for hp, page in zip(hocr_page_iterator(str(archived.folder / "document.hocr")), archived.meta["pages"]):
         seen += 1  # (the iterator streams: each page is cleared once the next is asked for)
-        layout = stored_layout(page)
-        assert hocr_page_get_dimensions(hp) == (layout.width, layout.height)
+        assert hocr_page_get_dimensions(hp) == (768, 1024)  # the page image the model read
         words = [w for par in hocr_page_to_word_data(hp) for line in par["lines"] for w in line["words"]]
         assert [w["text"] for w in words] == plain_words(page["text"])
-        assert [tuple(w["bbox"]) for w in words] == [(w.box.x0, w.box.y0, w.box.x1, w.box.y1) for w in layout.words()]
-        assert [w["confidence"] for w in words] == [round(100 * w.confidence) for w in layout.words()]
+        # the words, boxes and confidences the ALTO file of the page gives (written apart, checked above)
+        strings = etree.parse(str(archived.folder / "alto" / f"{page['index']:04d}.xml")).findall(f".//{ALTO}String")
+        alto = [(round(float(s.get("HPOS"))), round(float(s.get("VPOS"))),
+                 round(float(s.get("HPOS")) + float(s.get("WIDTH"))), round(float(s.get("VPOS")) + float(s.get("HEIGHT"))))
+                for s in strings]
+        assert [tuple(w["bbox"]) for w in words] == alto
+        assert [w["confidence"] for w in words] == [round(100 * float(s.get("WC"))) for s in strings]
     assert seen == 2
 
 
