@@ -14,7 +14,7 @@ the paragraph or table that shows them:
 
 Each line of a block is ``FIGURE = EXPRESSION``: FIGURE exactly as the doc shows it (``1,489``, ``0.95x``, ``35%``,
 ``~7,900``), EXPRESSION a Python expression over the record (``a.b`` is a key, ``a["lossless-10%"]`` one with other
-characters, ``rows.wall_s`` on a list is the list of each row's ``wall_s``; functions: sum, mean, min, max, len, abs,
+characters, ``record["sent-list"]`` such a key at the top, ``rows.wall_s`` on a list is the list of each row's ``wall_s``; functions: sum, mean, min, max, len, abs,
 round, where(list, key=value): the first element with those values, having(list, key): the elements with that
 key). ``NAME := EXPRESSION`` names a part of the record for the lines below it.
 
@@ -121,6 +121,8 @@ def evaluate(expr: str, record, names: dict):
         if isinstance(node, ast.Name):
             if node.id in names:
                 return names[node.id]
+            if node.id == "record":
+                return record
             if isinstance(record, dict) and node.id in record:
                 return record[node.id]
             raise KeyError(node.id)
@@ -163,7 +165,7 @@ def matches(figure: str, value) -> bool:
 
 def shown_in(figure: str, text: str) -> bool:
     """Whether ``figure`` appears in ``text`` as a whole number (not inside a longer one)."""
-    return re.search(r"(?<![\w.,-])" + re.escape(figure) + r"(?![\d]|[.,]\d)", text) is not None
+    return re.search(r"(?<![\w.,])(?<![A-Za-z%]-)" + re.escape(figure) + r"(?![\d]|[.,]\d)", text) is not None
 
 
 def sha256(path: Path) -> str:
