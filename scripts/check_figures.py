@@ -16,7 +16,8 @@ Each line of a block is ``FIGURE = EXPRESSION``: FIGURE exactly as the doc shows
 ``~7,900``), EXPRESSION a Python expression over the record (``a.b`` is a key, ``a["lossless-10%"]`` one with other
 characters, ``record["sent-list"]`` such a key at the top, ``rows.wall_s`` on a list is the list of each row's ``wall_s``; functions: sum, mean, min, max, len, abs,
 round, where(list, key=value): the first element with those values, having(list, key): the elements with that
-key). ``NAME := EXPRESSION`` names a part of the record for the lines below it.
+key). ``NAME := EXPRESSION`` names a part of the record for the lines below it. A ``.txt`` record is a training log:
+``events["LABEL"]`` is the list of the JSON objects its lines ``[  12.3s] LABEL {...}`` carry, in order.
 
 Checked, each failure printed with its file and line:
 - every record a doc or a block names exists under docs/results/, and a block's record is named in the visible text
@@ -51,6 +52,7 @@ RECORD_NAME = re.compile(
     r"(?:docs/results/([\w.+-]+\.(?:json|txt)))|"
     r"(?<![\w/.-])((?:bench|eval|train|drafter|gpu_check|grades)_[\w.+-]*\.(?:json|txt))"
 )
+LOG_LINE = re.compile(r"^(?:\[\s*[\d.]+s\]\s*)?([^{]+?)\s*(\{.*\})\s*$")
 FIGURE = re.compile(r"^(~?)(-?)(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?(.*)$")
 
 
@@ -176,6 +178,19 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def log_events(text: str) -> dict[str, list]:
+    """A training log's lines ``[  12.3s] LABEL {json}`` (or ``LABEL {json}``) as {LABEL: [each line's JSON]}."""
+    events: dict[str, list] = {}
+    for line in text.splitlines():
+        m = LOG_LINE.match(line)
+        if m:
+            try:
+                events.setdefault(m.group(1), []).append(json.loads(m.group(2)))
+            except ValueError:
+                continue
+    return events
+
+
 def check_record(root: Path, name: str, checked: dict) -> list[str]:
     """Problems of one record file itself (it exists, is JSON when named .json, its weights are the repository's)."""
     if name in checked:
@@ -196,6 +211,8 @@ def check_record(root: Path, name: str, checked: dict) -> list[str]:
                     problems.append(f"record {name} measured {weights}, which is not in the repository")
                 elif sha256(file) != digest:
                     problems.append(f"record {name} measured other weights than {weights} holds now")
+    elif name.endswith(".txt"):
+        record = {"events": log_events(path.read_text(encoding="utf-8"))}
     checked[name] = (record, problems)
     return problems
 
