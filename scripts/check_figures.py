@@ -23,7 +23,7 @@ Checked, each failure printed with its file and line:
 - every record a doc or a block names exists under docs/results/, and a block's record is named in the visible text
   of its section;
 - every FIGURE appears as a number in the text the block follows (from the previous block or heading to the block;
-  blocks one right after another share that text), so a number edited in the doc fails;
+  blocks one right after another share that text), as often as lines map it, so a number edited in the doc fails;
 - EXPRESSION rounded at the precision FIGURE shows equals FIGURE (``~``: at its significant digits), so a record
   measured again fails until the doc follows;
 - a record's ``weights_sha256`` (a repository path -> SHA-256 of each weights file it measured) equals the files in
@@ -165,9 +165,9 @@ def matches(figure: str, value) -> bool:
     return exact.quantize(Decimal(1).scaleb(-(len(frac) - 1 if frac else 0)), ROUND_HALF_UP) == shown
 
 
-def shown_in(figure: str, text: str) -> bool:
-    """Whether ``figure`` appears in ``text`` as a whole number (not inside a longer one)."""
-    return re.search(r"(?<![\w.,])(?<![A-Za-z%]-)" + re.escape(figure) + r"(?![\d]|[.,]\d)", text) is not None
+def shown_count(figure: str, text: str) -> int:
+    """How often ``figure`` appears in ``text`` as a whole number (not inside a longer one)."""
+    return len(re.findall(r"(?<![\w.,])(?<![A-Za-z%]-)" + re.escape(figure) + r"(?![\d]|[.,]\d)", text))
 
 
 def sha256(path: Path) -> str:
@@ -226,6 +226,7 @@ def check_doc(root: Path, rel: str, text: str, checked: dict) -> list[Problem]:
             problems.append(Problem(rel, line_of(text, m.start()), what))
     headings = [h.start() for h in HEADING.finditer(text)]
     previous_end = shown_start = 0
+    mapped: dict[str, int] = {}
     for block in BLOCK.finditer(text):
         name, body = block.group(1), block.group(2)
         start_line = line_of(text, block.start())
@@ -234,6 +235,7 @@ def check_doc(root: Path, rel: str, text: str, checked: dict) -> list[Problem]:
             span_start = shown_start  # blocks one after another annotate the same text
         else:
             span_start = max(previous_end, section_start)
+            mapped = {}  # figure -> lines mapping it, over the blocks that share this text
         shown_start = span_start
         shown = BLOCK.sub(" ", text[span_start:block.start()])
         next_heading = min([h for h in headings if h > block.start()] + [len(text)])
@@ -260,8 +262,10 @@ def check_doc(root: Path, rel: str, text: str, checked: dict) -> list[Problem]:
                 if "=" not in line:
                     raise ValueError("expected FIGURE = EXPRESSION")
                 figure, expr = (s.strip() for s in line.split("=", 1))
-                if not shown_in(figure, shown):
-                    problems.append(Problem(rel, at, f"{figure} is not in the text above the block"))
+                mapped[figure] = mapped.get(figure, 0) + 1
+                if shown_count(figure, shown) < mapped[figure]:
+                    times = "" if mapped[figure] == 1 else f" {mapped[figure]} times"
+                    problems.append(Problem(rel, at, f"{figure} is not in the text above the block{times}"))
                     continue
                 value = evaluate(expr, record, names)
                 if not matches(figure, value):

@@ -82,3 +82,17 @@ def test_rounding_and_approximate_figures():
     assert matches("0.95x", 0.953) and matches("35%", 35.4)
     assert matches("~7,900", 7874.0) and not matches("~7,900", 7960.0)
     assert matches("505", 505.3) and not matches("514", 505.3)
+
+
+def test_one_of_two_equal_figures_changed_fails(tmp_path):
+    """demo_model.md shows 0.089 twice in the plain-English row (all characters, mean of pages): editing one of them
+    leaves the figure in the text once, fewer times than the block maps it."""
+    root = copy_repo_docs(tmp_path)
+    doc = root / "docs" / "demo_model.md"
+    row = "| one sentence at the top of a page, plain English (20 pt) | 6 | 0.089 | 0.089 | 0 |"
+    text = doc.read_text()
+    assert row in text
+    doc.write_text(text.replace(row, row.replace("| 0.089 | 0 |", "| 0.090 | 0 |")))
+    problems = [str(p) for p in check(root)]
+    assert any(p.startswith("docs/demo_model.md:") and "0.089 is not in the text above the block" in p
+               for p in problems), problems
