@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import hashlib
 import json
 import re
@@ -170,6 +171,7 @@ def shown_count(figure: str, text: str) -> int:
     return len(re.findall(r"(?<![\w.,])(?<![A-Za-z%]-)" + re.escape(figure) + r"(?![\d]|[.,]\d)", text))
 
 
+@functools.lru_cache(maxsize=None)
 def sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
