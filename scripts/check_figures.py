@@ -13,11 +13,15 @@ the paragraph or table that shows them:
     -->
 
 Each line of a block is ``FIGURE = EXPRESSION``: FIGURE exactly as the doc shows it (``1,489``, ``0.95x``, ``35%``,
-``~7,900``), EXPRESSION a Python expression over the record (``a.b`` is a key, ``a["lossless-10%"]`` one with other
-characters, ``record["sent-list"]`` such a key at the top, ``rows.wall_s`` on a list is the list of each row's ``wall_s``; functions: sum, mean, min, max, len, abs,
-round, where(list, key=value): the first element with those values, having(list, key): the elements with that
-key). ``NAME := EXPRESSION`` names a part of the record for the lines below it. A ``.txt`` record is a training log:
-``events["LABEL"]`` is the list of the JSON objects its lines ``[  12.3s] LABEL {...}`` carry, in order.
+``~7,900``), EXPRESSION a Python expression over the record:
+- ``a.b`` is a key, ``a["lossless-10%"]`` a key with other characters, ``record["sent-list"]`` such a key at the top;
+- ``rows.wall_s`` on a list is the list of each row's ``wall_s``; ``memory[1024]`` reads the key "1024";
+- functions: sum, mean, min, max, len, abs, round, ``where(rows, key=value)`` (the first row with those values),
+  ``having(rows, key)`` (the rows that have the key);
+- ``NAME := EXPRESSION`` names a part of the record for the lines below it;
+- a ``.txt`` record is a training log: ``events["LABEL"]`` lists the JSON objects of its lines
+  ``[  12.3s] LABEL {...}`` in order.
+Figures are rounded half up from the record's value as written in the JSON (0.0895 shows as 0.090).
 
 Checked, each failure printed with its file and line:
 - every record a doc or a block names exists under docs/results/, and a block's record is named in the visible text
