@@ -4,4 +4,5 @@
 - `scripts.eval`: how well a model reads (demo) and how well scans are turned upright (orientation);
 - `scripts.train`: training the demo model (demo) and a block drafter (drafter);
 - `scripts.synth`: the synthetic document generator (``python -m scripts.synth``).
+- `scripts.check_figures`: every figure the docs cite equals its record under docs/results/ (run by CI).
 """

@@ -2,7 +2,7 @@
 R-SWA mask (prefix global, output window n), checked against the target's own greedy tokens.
 
 A plain forward without a cache uses full causal attention and disagrees with generate() after n output tokens
-(DESIGN section 2); the seed project trained its drafter on such features. Here the mask is
+(docs/unlimited_ocr_notes.md), so a drafter trained on its features would learn another model. Here the mask is
 `engine.official.rswa_mask`, and `teacher_features` replays the official no-repeat-ngram rule over the logits of
 the same forward: every output token must be the target's greedy choice, or the data is refused.
 

@@ -9,7 +9,7 @@ Two steps, so that an upright page costs next to nothing (a few milliseconds):
      (INK_TRIM), so that the blank part of a page of short lines (a register, an index) does not count: over the
      whole page, 34 upright lines of two words measured 0.44 and the same page sideways 2.29, the wrong way round.
      Below ``sideways_below`` (default 0.75) the page is probed for a quarter turn. Measured
-     (scripts/eval_orientation.py): 24 upright synthetic scans 1.55-4.45, turned a quarter 0.22-0.64; 15 list
+     (scripts/eval/orientation.py): 24 upright synthetic scans 1.55-4.45, turned a quarter 0.22-0.64; 15 list
      pages (2-14 words a line, 8-34 lines) 1.71-2.21 and 0.45-0.59; the 20 upright pages with ink among the real
      samples 0.89-4.12 (none looked at), the two real sideways sheets of ``cardinal.pdf`` 0.257.
    - ``ragged_edges``: the stripes cannot tell an upside-down page (its lines run across too), but its edges can.

@@ -5,9 +5,9 @@
     python -m scripts.train.demo --check-rswa                           # R-SWA scoring == generate()
     python -m scripts.train.demo --preset tiny --minutes 1 --out /tmp/d --align 1:2:here,2:2:next  # CPU smoke run
 
-Recipe (DESIGN section 3): the vision tower is initialised normally (not SAM's 1e-10 default) and kept frozen at
+Recipe: the vision tower is initialised normally (not SAM's 1e-10 default) and kept frozen at
 its random init for the first `--freeze-frac` of the time (default 10%) while the decoder and projector learn to
-read its features; then it trains at `--vision-lr-ratio` times the decoder's rate (default 0.3; DESIGN used 0.1).
+read its features; then it trains at `--vision-lr-ratio` times the decoder's rate (default 0.3; 0.1 without the auxiliary losses).
 Auxiliary "which character is where" losses on the SAM patches and the vision tokens (`--aux-weight`, not saved
 with the model) give the tower a direct signal (docs/demo_model.md says why). Samples are 1 page
 (`document parsing.`) or 2-4
@@ -352,7 +352,7 @@ def parse_args(argv=None):
     ap.add_argument("--buffer-pages", type=int, default=6000)
     ap.add_argument("--lr", type=float, default=1.5e-3)
     ap.add_argument("--vision-lr-ratio", type=float, default=0.3,
-                    help="vision-tower learning rate / decoder learning rate once unfrozen (DESIGN: 0.1 without --aux-weight)")
+                    help="vision-tower learning rate / decoder learning rate once unfrozen (0.1 without --aux-weight)")
     ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--warmup", type=int, default=150)
     ap.add_argument("--vision-warmup", type=int, default=100)
@@ -364,7 +364,7 @@ def parse_args(argv=None):
                          "just read; the first HEADS heads of the layer)")
     ap.add_argument("--aux-weight", type=float, default=1.0,
                     help="weight of the auxiliary character-grid losses on the SAM patches and vision tokens (0 = off;"
-                         " DESIGN's plain recipe is --aux-weight 0 --freeze-frac 0.3 --vision-lr-ratio 0.1)")
+                         " the plain recipe without them is --aux-weight 0 --freeze-frac 0.3 --vision-lr-ratio 0.1)")
     ap.add_argument("--vision-pretrain-frac", type=float, default=0.0,
                     help="share of the time spent training the vision tower alone on the auxiliary character losses "
                          "(no decoder forward: several times more pages a second) before the decoder starts; the "

@@ -2,7 +2,7 @@
 ``--check-rswa`` run them; the tests use the pieces).
 
 - `run_overfit_test`: a tiny model must learn to read 8 fixed word images (loss far below the "ignore the
-  image" level ln(8) / tokens, and greedy decoding reproduces every label), with the DESIGN recipe: vision
+  image" level ln(8) / tokens, and greedy decoding reproduces every label), with the plain recipe: vision
   tower frozen at its random init first, then unfrozen at a 10x lower learning rate.
 - `run_check_rswa`: the training-time scoring (`demo_model.score`, R-SWA mask, batched and padded) gives, at
   every output position, an argmax equal to the token generate() chose next.

@@ -231,7 +231,7 @@ class AuxHeads(torch.nn.Module):
     16 x 8-pixel cells) predicted (1) from the SAM tower's last layer, each 16-pixel patch giving its two cells,
     and (2) from each projected vision token, giving its 4 x 8 cells. They give the vision tower a direct, local
     signal from the first step, instead of only what trickles back through a decoder that is still learning the
-    text prior (DESIGN section 3: that alone collapsed the features). On CPU probes the patch-level loss taught
+    text prior (that alone collapsed the features: docs/demo_model.md). On CPU probes the patch-level loss taught
     the tower to recognise glyphs several times faster than the token-level one alone."""
 
     def __init__(self, model, n_classes: int):
