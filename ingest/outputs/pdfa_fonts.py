@@ -1,0 +1,81 @@
+"""The standard 14 fonts a born-digital page uses without embedding them, embedded, so that its page can be PDF/A
+without Ghostscript (ingest.outputs.pdfa).
+
+A PDF may name Helvetica, Times, Courier (each in four styles), Symbol or ZapfDingbats without carrying the font:
+every viewer has them. PDF/A wants every font embedded. MuPDF draws these fonts with its built-in URW equivalents
+(Nimbus Sans, Nimbus Roman, Nimbus Mono PS, Standard Symbols PS, Dingbats: metric-compatible, the fonts Ghostscript
+substitutes as well); each such font gets that program embedded (CFF, ``/FontFile3 /Type1C``), a font descriptor
+read from the program, and ``/Widths`` as MuPDF measures each code with it, so the page looks and extracts as
+before. Other fonts without a program (a TrueType Arial not embedded, say) are left as they are: OCRmyPDF's PDF/A
+check then refuses the file and ingest.outputs.pdfa says so.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pymupdf
+
+STANDARD_14 = frozenset(pymupdf.Base14_fontdict.values())
+SYMBOLIC = frozenset({"Symbol", "ZapfDingbats"})
+# /Flags bits (PDF 32000-1 table 123)
+FIXED_PITCH, SERIF, FLAG_SYMBOLIC, NONSYMBOLIC, ITALIC = 1, 2, 4, 32, 64
+
+
+def _cff_metrics(program: bytes) -> tuple[list[float], float]:
+    """The program's font bounding box and italic angle."""
+    from fontTools.cffLib import CFFFontSet
+
+    cff = CFFFontSet()
+    cff.decompile(io.BytesIO(program), None)
+    top = cff[cff.fontNames[0]]
+    return [float(v) for v in top.FontBBox], float(getattr(top, "ItalicAngle", 0) or 0)
+
+
+def _flags(name: str, italic_angle: float) -> int:
+    flags = FLAG_SYMBOLIC if name in SYMBOLIC else NONSYMBOLIC
+    if name.startswith("Courier"):
+        flags |= FIXED_PITCH
+    if name.startswith("Times"):
+        flags |= SERIF
+    if italic_angle:
+        flags |= ITALIC
+    return flags
+
+
+def _unembedded_standard_fonts(doc: pymupdf.Document) -> dict[int, str]:
+    """xref -> standard 14 name of each simple Type 1 font the pages use without a font program."""
+    found: dict[int, str] = {}
+    for pno in range(doc.page_count):
+        for xref, ext, ftype, basefont, *_ in doc.get_page_fonts(pno, full=True):
+            if xref and ext == "n/a" and ftype == "Type1" and basefont in STANDARD_14:
+                found[xref] = basefont
+    return found
+
+
+def embed_standard_fonts(doc: pymupdf.Document) -> list[str]:
+    """Embed the standard 14 fonts ``doc``'s pages use without a program (in place); returns their names."""
+    embedded = []
+    programs: dict[str, tuple[int, list[float], float]] = {}  # one program stream per font name
+    for xref, name in _unembedded_standard_fonts(doc).items():
+        if doc.xref_get_key(xref, "FontDescriptor")[0] != "null":
+            continue  # a descriptor without a program: not the plain standard font this handles
+        widths = [round(w * 1000) for _, w in doc.get_char_widths(xref, 256)]
+        if name not in programs:
+            program = pymupdf.Font(fontname=name).buffer
+            stream = doc.get_new_xref()
+            doc.update_object(stream, "<< /Subtype /Type1C >>")
+            doc.update_stream(stream, program, compress=True)
+            programs[name] = (stream, *_cff_metrics(program))
+        stream, bbox, italic = programs[name]
+        descriptor = doc.get_new_xref()
+        doc.update_object(descriptor, (
+            f"<< /Type /FontDescriptor /FontName /{name} /Flags {_flags(name, italic)} "
+            f"/FontBBox [{' '.join(f'{v:g}' for v in bbox)}] /ItalicAngle {italic:g} /Ascent {bbox[3]:g} "
+            f"/Descent {bbox[1]:g} /CapHeight {bbox[3]:g} /StemV 80 /FontFile3 {stream} 0 R >>"))
+        doc.xref_set_key(xref, "FontDescriptor", f"{descriptor} 0 R")
+        doc.xref_set_key(xref, "FirstChar", "0")
+        doc.xref_set_key(xref, "LastChar", str(len(widths) - 1))
+        doc.xref_set_key(xref, "Widths", f"[{' '.join(map(str, widths))}]")
+        embedded.append(name)
+    return embedded
