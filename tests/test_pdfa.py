@@ -15,7 +15,7 @@ import pytest
 from PIL import Image, ImageDraw
 
 from ingest.reading.words import plain_words
-from tests.conftest import make_pdf
+from tests.conftest import ROOT, make_pdf
 
 MODEL_TEXT = "<|det|>title [100, 60, 900, 120]<|/det|>Stadtrat Protokoll 1923\n" \
              "<|det|>text [100, 150, 900, 300]<|/det|>Die Sitzung begann um neun Uhr.\nAnwesend waren zwölf Räte."
@@ -131,6 +131,20 @@ def test_born_digital_pages_keep_their_text_and_are_pdfa_2b(tmp_path, ghostscrip
     with pymupdf.open(out) as doc:
         assert [w[4] for w in doc[0].get_text("words")] == BORN_DIGITAL.split()  # its own text, not the model's
         assert [w[4] for w in doc[1].get_text("words")] == plain_words(MODEL_TEXT)
+
+
+def test_the_readme_example_is_pdfa_2b_and_looks_and_reads_as_the_original(tmp_path, ghostscript):
+    """examples/sample.pdf: born digital, its text in CID fonts with a CFF program that is not CID-keyed (PyMuPDF's),
+    which pikepdf's validator does not check until the program is rewritten CID-keyed."""
+    sample = ROOT / "examples" / "sample.pdf"
+    kind, out, said = write(tmp_path, sample, [MODEL_TEXT, MODEL_TEXT])
+    assert (kind, said) == ("pdfa-2b", [])
+    assert_pdfa_2b(out)
+    with pymupdf.open(sample) as before, pymupdf.open(out) as after:
+        assert any(f[2] == "Type0" for f in before.get_page_fonts(0))
+        for a, b in zip(before, after, strict=True):
+            assert a.get_text("words") == b.get_text("words")
+            assert a.get_pixmap(dpi=50).samples == b.get_pixmap(dpi=50).samples
 
 
 def test_the_standard_fonts_are_embedded_and_the_page_looks_and_reads_as_before(tmp_path):

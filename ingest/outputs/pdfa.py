@@ -9,8 +9,8 @@ viewer selects that word; embedded fonts; the PDF/A-2b declarations and its XMP 
   the searchable PDF makes them (ingest.outputs.searchable_pdf: upright, at the image's DPI).
 - A page the model read turned is shown turned the same way (the plugin reports the turn to OCRmyPDF, which turns
   the page), so its words fit the page as displayed. A page that already has a text layer (born digital) keeps its
-  own text (OCRmyPDF's ``skip`` mode); the standard 14 fonts it names without embedding are embedded first
-  (ingest.outputs.pdfa_fonts).
+  own text (OCRmyPDF's ``skip`` mode); the standard 14 fonts it names without embedding are embedded first, and
+  CID fonts with a CFF program that is not CID-keyed (PyMuPDF's) rewritten CID-keyed (ingest.outputs.pdfa_fonts).
 - The PDF/A is made without Ghostscript: OCRmyPDF's internal backend (``pdfa_backend="internal"``) adds the PDF/A
   structures with pikepdf and keeps the file only if pikepdf's PDF/A validator approves it, on any machine and
   with any Ghostscript installed. Only when that backend refuses the file (a font that is not embedded and not one
@@ -48,7 +48,7 @@ def _scan_pdf(source: Path, kind: str, out: Path) -> bool:
     whether a page has a text layer of its own."""
     import pikepdf
 
-    from ingest.outputs.pdfa_fonts import embed_standard_fonts
+    from ingest.outputs.pdfa_fonts import cid_key_cff_fonts, embed_standard_fonts
 
     doc = _pdf_pages(source) if kind == "pdf" else _image_pages(source)
     try:
@@ -60,6 +60,8 @@ def _scan_pdf(source: Path, kind: str, out: Path) -> bool:
         doc.close()
     # MuPDF writes the document information into the catalog, where PDF/A allows no /Info: it belongs in the trailer
     with pikepdf.open(io.BytesIO(data)) as pdf:
+        if has_text:
+            cid_key_cff_fonts(pdf)
         info = pdf.Root.get("/Info")
         if info is not None:
             del pdf.Root["/Info"]
@@ -80,8 +82,10 @@ def check_pdfa(path: Path) -> str | None:
 
 
 def _why(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+    """The error's first line, with the first findings of a PDF/A check it quotes."""
+    lines = str(e).strip().splitlines()
+    findings = [line.strip() for line in lines[1:] if line.strip().startswith("[")][:3]
+    return " ".join([f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": "), *findings])
 
 
 def ocrmypdf_pdfa(out: Path, source: Path, kind: str, pages: list[dict[str, Any]], pages_json: Path) -> str:

@@ -8,11 +8,18 @@ substitutes as well); each such font gets that program embedded (CFF, ``/FontFil
 read from the program, and ``/Widths`` as MuPDF measures each code with it, so the page looks and extracts as
 before. Other fonts without a program (a TrueType Arial not embedded, say) are left as they are: OCRmyPDF's PDF/A
 check then refuses the file and ingest.outputs.pdfa says so.
+
+A CID font (``/CIDFontType0``) whose embedded CFF program is not CID-keyed (as MuPDF, and so PyMuPDF, writes the
+text it adds to a page) is one pikepdf's PDF/A validator does not check; its program is rewritten CID-keyed
+(``Adobe-Identity-0``, CID n = glyph n, which is how readers map such a font's CIDs already): the same glyphs for
+the same codes.
 """
 
 from __future__ import annotations
 
 import io
+import zlib
+from types import SimpleNamespace
 
 import pymupdf
 
@@ -79,3 +86,52 @@ def embed_standard_fonts(doc: pymupdf.Document) -> list[str]:
         doc.xref_set_key(xref, "Widths", f"[{' '.join(map(str, widths))}]")
         embedded.append(name)
     return embedded
+
+
+def cid_keyed_cff(program: bytes) -> bytes | None:
+    """``program`` (a CFF font) rewritten CID-keyed, CID n for glyph n; None when it is CID-keyed already."""
+    from fontTools.cffLib import CFFFontSet, FDArrayIndex, FDSelect, FontDict
+
+    cff = CFFFontSet()
+    cff.decompile(io.BytesIO(program), None)
+    name = cff.fontNames[0]
+    top = cff[name]
+    if hasattr(top, "ROS"):
+        return None
+    order = list(top.charset)
+    cids = [".notdef"] + [f"cid{i:05d}" for i in range(1, len(order))]
+    strings = top.CharStrings
+    strings.charStrings = {cid: strings.charStrings[glyph] for glyph, cid in zip(order, cids)}
+    fd = FontDict()
+    fd.Private, fd.FontName = top.Private, name
+    fd_array = FDArrayIndex()
+    fd_array.append(fd)
+    select = FDSelect()
+    select.format, select.gidArray = 3, [0] * len(order)
+    top.ROS, top.CIDCount, top.FDArray, top.FDSelect = ("Adobe", "Identity", 0), len(order), fd_array, select
+    strings.fdArray, strings.fdSelect = fd_array, select
+    top.charset = cids
+    for key in ("Private", "Encoding"):  # a CID-keyed font has neither: its FDArray holds the private dict
+        top.rawDict.pop(key, None)
+        if key in vars(top):
+            delattr(top, key)
+    out = io.BytesIO()
+    cff.compile(out, SimpleNamespace(recalcBBoxes=False))
+    return out.getvalue()
+
+
+def cid_key_cff_fonts(pdf) -> int:  # noqa: ANN001 - a pikepdf.Pdf
+    """Rewrite CID-keyed each ``/CIDFontType0C`` program of ``pdf`` (a pikepdf.Pdf) that is not; returns how many."""
+    import pikepdf
+
+    done = 0
+    for obj in pdf.objects:
+        if not isinstance(obj, pikepdf.Stream) or obj.get("/Subtype") != "/CIDFontType0C":
+            continue
+        rewritten = cid_keyed_cff(obj.read_bytes())
+        if rewritten is not None:
+            obj.write(zlib.compress(rewritten), filter=pikepdf.Name.FlateDecode)
+            if "/Length1" in obj:
+                del obj["/Length1"]  # the old program's length
+            done += 1
+    return done
