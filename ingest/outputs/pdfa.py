@@ -44,8 +44,8 @@ class NotPdfa(RuntimeError):
 
 
 def _scan_pdf(source: Path, kind: str, out: Path) -> bool:
-    """The pages OCRmyPDF works on: the original's (decrypted), the standard fonts a page names embedded. Returns
-    whether a page has a text layer of its own."""
+    """The pages OCRmyPDF works on: the original's (decrypted), their fonts made checkable (ingest.outputs.pdfa_fonts).
+    Returns whether a page has a text layer of its own."""
     import pikepdf
 
     from ingest.outputs.pdfa_fonts import cid_key_cff_fonts, embed_standard_fonts
