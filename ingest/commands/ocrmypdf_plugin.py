@@ -18,11 +18,11 @@ default, OCRmyPDF's own default output type) from the words. How:
 ``--uflash-pages FILE`` (a ``document.json`` uflash wrote) skips the decode and uses those pages: this is how
 uflash's own ``document.pdf`` step calls OCRmyPDF (ingest.outputs.pdfa), with no second decode.
 
-Installed with uflash, the package's entry point (``installed`` below) loads this plugin into every OCRmyPDF run of
-that environment, as OCRmyPDF's engine plugins do (ocrmypdf-easyocr and others): OCRmyPDF then OCRs with uflash,
-``--plugin ingest.commands.ocrmypdf_plugin`` or not. The plugin replaces Tesseract (OCRmyPDF's built-in engine is
-blocked, so Tesseract need not be installed) and keeps Tesseract's option names accepted, as OCRmyPDF's own checks
-expect them.
+OCRmyPDF loads this plugin only when asked (``--plugin ingest.commands.ocrmypdf_plugin``, or ``plugins=[...]`` in
+its Python API): installing uflash registers no OCRmyPDF entry point, so a plain ``ocrmypdf in.pdf out.pdf`` in the
+same environment keeps OCRmyPDF's own engine (Tesseract). Once loaded, the plugin replaces Tesseract (OCRmyPDF's
+built-in engine is blocked, so Tesseract need not be installed) and keeps Tesseract's option names accepted, as
+OCRmyPDF's own checks expect them.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import sys
 import threading
 from functools import lru_cache
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from ocrmypdf import hookimpl
@@ -192,8 +193,6 @@ def register_options() -> dict[str, Any]:
 
 @hookimpl
 def add_options(parser) -> None:  # noqa: ANN001
-    if "--uflash-pages" in parser._option_string_actions:  # registered twice (entry point and --plugin)
-        return
     group = parser.add_argument_group("uflash", "OCR with Unlimited-OCR through uflash")
     group.add_argument("--uflash-config", metavar="PATH", default=None,
                        help="uflash's config.toml (its model); default: UFLASH_CONFIG, else ./config.toml")
@@ -224,14 +223,7 @@ def get_ocr_engine(options) -> OcrEngine:  # noqa: ANN001
     return UflashEngine()
 
 
-class _Installed:
-    """The same hooks, as the object the package's entry point names (a module registered twice is refused)."""
-
-    initialize = staticmethod(initialize)
-    register_options = staticmethod(register_options)
-    add_options = staticmethod(add_options)
-    validate = staticmethod(validate)
-    get_ocr_engine = staticmethod(get_ocr_engine)
-
-
-installed = _Installed()
+# An environment installed from a uflash that registered this plugin through an ``ocrmypdf`` entry point still names
+# ``installed`` in its package metadata until uflash is installed again (``pip install -e .``); that entry point now
+# loads an object without hooks, so such an environment keeps OCRmyPDF's own engine too, and OCRmyPDF still starts.
+installed = SimpleNamespace()
