@@ -35,6 +35,7 @@ def test_bench_engine_tiny_smoke(tmp_path, capsys):
         runs = res["runs"]
         assert not res["errors"] and set(runs) == {"generate", "plain", "lossless-10%"}  # torch kernels on the CPU
         assert all(r["tokens"] == 24 * res["batch"] for r in runs.values())
+        assert res["generate_equal_tokens"] and runs["generate"]["warm_tokens"] == 8  # the anchor at equal tokens
         assert runs["plain"]["backend"] == "eager" and runs["generate"]["x_generate"] == 1.0
         assert runs["plain"]["x_generate"] == round(runs["plain"]["tok_s"] / runs["generate"]["tok_s"], 3)
         assert runs["lossless-10%"]["equal_to_plain"] and runs["lossless-10%"]["tau"] >= 3  # drafts 90% right
