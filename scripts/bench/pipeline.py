@@ -19,7 +19,7 @@ each setting too).
 
     python -m scripts.bench.pipeline --docs 50 --doc-pages 4 --max-batch 1,auto --json $OUT/pipeline.json
     python -m scripts.bench.pipeline --model /tmp/standin --docs 95 --doc-pages 4-40 --scan --chunk-pages 16 \
-        --max-batch auto --mode plain --max-seconds 500 --json $OUT/pipeline_standin_plain.json
+        --docs-dir /tmp/docs --max-batch auto --mode plain --max-seconds 540 --json $OUT/pipeline_standin_plain.json
 """
 
 from __future__ import annotations
@@ -57,7 +57,9 @@ def write_documents(folder: Path, docs: int, pages: str, seed0: int, scan: bool,
         raise SystemExit(f"held-out seeds must stay below {HELD_OUT_LIMIT:,}")
     folder.mkdir(parents=True, exist_ok=True)
     counts = page_counts(str(pages), docs, seed0)
-    jobs = [(folder / f"doc-{seed}.pdf", seed, n, scan, ladder) for seed, n in zip(range(seed0, seed0 + docs), counts)]
+    kind = "ladder" if ladder else f"{'scan' if scan else 'text'}-{pages}"
+    jobs = [(folder / f"doc-{kind}-{seed}.pdf", seed, n, scan, ladder)
+            for seed, n in zip(range(seed0, seed0 + docs), counts)]
     with ProcessPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1) or 1) as pool:
         return list(pool.map(write_document, *zip(*jobs))) if jobs else []
 
@@ -66,7 +68,8 @@ def write_document(path: Path, seed: int, pages: int, scan: bool, ladder: bool) 
     from scripts.synth import make_document
     from scripts.synth.ladder import ladder_document
 
-    path.write_bytes(ladder_document(seed)[0] if ladder else make_document(seed, pages, scan=scan)[0])
+    if not (path.is_file() and path.stat().st_size):  # --docs-dir: made once, reused by later calls
+        path.write_bytes(ladder_document(seed)[0] if ladder else make_document(seed, pages, scan=scan)[0])
     return path
 
 
@@ -208,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--chunk-pages", type=int, default=4)
     ap.add_argument("--max-tokens-per-page", type=int, default=1500)
+    ap.add_argument("--docs-dir", type=Path, help="where the documents are made (those already there are reused)")
+    ap.add_argument("--only-docs", action="store_true", help="make the documents (in --docs-dir) and stop")
     ap.add_argument("--max-seconds", type=float, default=None, help="stop each run after this long (SIGTERM twice); "
                     "its rates are those of the pages stored by then")
     ap.add_argument("--repair", choices=("auto", "on", "off"), default="auto", help="[quality] repair (pages read "
@@ -219,7 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     standin = (Path(args.model) / "standin.json").is_file()
     args.repair = args.repair == "on" or (args.repair == "auto" and not standin)
     work = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
-    documents = write_documents(work / "docs", args.docs, args.doc_pages, args.seed0, args.scan, args.ladder)
+    documents = write_documents(args.docs_dir or work / "docs", args.docs, args.doc_pages, args.seed0, args.scan,
+                                args.ladder)
+    if args.only_docs:
+        print(json.dumps({"documents": len(documents), "pages": sum(page_counts_of(documents))}))
+        return 0
     report = {"benchmark": "bench_pipeline", "argv": sys.argv[1:] if argv is None else argv, "settings": [],
               "model": json.loads((Path(args.model) / "standin.json").read_text()) if standin else {"path": args.model},
               "documents": len(documents), "pages": sum(page_counts_of(documents)), "repair": args.repair,
