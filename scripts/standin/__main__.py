@@ -5,7 +5,8 @@
 
 ``--check`` decodes one chunk of random pages per ``--pages`` entry, all in one batch, with the engine in ``--mode``
 (its default kernels) and checks each output's shape: the pages separated by ``<PAGE>``, N tokens each, EOS at the
-end, no token twice. Prints a table; the last line is one JSON object. Exit status 1 when a chunk is off.
+end, no token twice; then how the MoE router spreads the longest output over the experts (a plain forward of it as
+text). Prints a table; the last line is one JSON object. Exit status 1 when a chunk is off.
 """
 
 from __future__ import annotations
@@ -53,9 +54,31 @@ def check(args) -> dict:
     rows = [{"pages": p, "tokens": len(r.output_ids), "finish_reason": r.finish_reason,
              "problems": check_output(r.output_ids, p, n, loaded.eos_token_id, loaded.page_sep_id)}
             for p, r in zip(args.pages, results)]
+    longest = max(results, key=lambda r: len(r.output_ids)).output_ids
     return {"load_s": round(load_s, 2), "decode_s": round(decode_s, 2), "mode": args.mode, "dtype": str(loaded.dtype),
             "device": str(loaded.device), "tokens_per_page": n, "chunks": rows,
-            "ok": all(not r["problems"] for r in rows)}
+            "routing": routing_spread(loaded.model, longest), "ok": all(not r["problems"] for r in rows)}
+
+
+@torch.inference_mode()
+def routing_spread(model, ids: list[int]) -> dict:
+    """How the MoE router spreads ``ids`` (a decoded output, run as text through the model's own forward) over the
+    experts, per MoE layer: the share of experts used, and the busiest expert's load over the mean (1.0: even)."""
+    picks: list[torch.Tensor] = []
+    gates = [layer.mlp.gate for layer in model.model.language_model.layers if hasattr(layer.mlp, "gate")]
+    hooks = [g.register_forward_hook(lambda _m, _i, out: picks.append(out[2].reshape(-1).cpu())) for g in gates]
+    try:
+        model(input_ids=torch.tensor([ids], device=model.device))
+    finally:
+        for h in hooks:
+            h.remove()
+    if not gates:
+        return {}
+    experts = gates[0].num_experts
+    counts = [torch.bincount(p, minlength=experts).float() for p in picks]
+    return {"tokens": len(ids), "experts": experts,
+            "used_share": [round(float((c > 0).float().mean()), 3) for c in counts],
+            "max_over_mean": [round(float(c.max() / c.mean()), 2) for c in counts]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{'pages':>5} {'tokens':>7} {'finish':>7}  problems")
         for r in report["chunks"]:
             print(f"{r['pages']:>5} {r['tokens']:>7} {r['finish_reason']:>7}  {'; '.join(r['problems']) or 'none'}")
+        spread = report["routing"]
+        if spread:
+            print(f"MoE routing of {spread['tokens']} output tokens over {spread['experts']} experts: experts used "
+                  f"{spread['used_share']}, busiest over mean {spread['max_over_mean']} (per MoE layer)")
     else:
         print(f"\nstand-in in {args.folder}: {report['params'] / 1e9:.2f}B params, {report['pages']} pages of "
               f"{report['tokens_per_page']} tokens at most a chunk; built {report['build_s']} s, planted "
