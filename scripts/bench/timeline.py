@@ -10,7 +10,9 @@ graph capture (``StepGraphs.capture``), page preparation (``ingest.pages.prefetc
 inputs), orientation probes, submission (the processor on the caller's thread), engine steps (``engine_step``: its
 admissions, i.e. vision and prefill, and its decode steps, split by the engine's own ``timing``), quality checks,
 ledger claims and stores, and finishing documents (grades, outputs, moves). Each is summed separately for the main
-thread (where it holds up the decode loop) and for other threads (where it overlaps it), with its call count.
+thread (where it holds up the decode loop) and for other threads (where it overlaps it), with its call count and
+the main-thread seconds it ran inside another probe (``nested_main_s``: graph captures inside load or engine steps,
+engine steps inside orientation probes or quality repairs).
 ``main_other_s``: the main thread's wall that no probe covers (the loop's own work, waiting).
 `print_timeline` prints it as a table; `GpuSampler` gives the GPU's busy share over the same run.
 """
@@ -43,8 +45,8 @@ PROBES = {  # name: (module, attribute path)
     "ledger_store": ("ingest.worker.worker", "store_chunk"),
     "finishing": ("ingest.worker.finish", "Finisher.finish"),
 }
-NESTED = {"graph_capture": "engine_steps"}  # captures run inside engine steps (or inside load)
 _totals: dict[str, dict[str, float]] = {}
+_depth = threading.local()  # probes running on this thread (a probe inside another is counted as nested)
 _engines: list = []
 _lock = threading.Lock()
 
@@ -52,14 +54,18 @@ _lock = threading.Lock()
 def _timed(name: str, fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        t = time.perf_counter()
+        t, nested = time.perf_counter(), getattr(_depth, "n", 0) > 0
+        _depth.n = getattr(_depth, "n", 0) + 1
         try:
             return fn(*args, **kwargs)
         finally:
+            _depth.n -= 1
             where = "main" if threading.current_thread() is threading.main_thread() else "other"
+            seconds = time.perf_counter() - t
             with _lock:
-                row = _totals.setdefault(name, {"main_s": 0.0, "other_s": 0.0, "calls": 0})
-                row[f"{where}_s"] += time.perf_counter() - t
+                row = _totals.setdefault(name, {"main_s": 0.0, "other_s": 0.0, "nested_main_s": 0.0, "calls": 0})
+                row[f"{where}_s"] += seconds
+                row["nested_main_s"] += seconds if nested and where == "main" else 0.0
                 row["calls"] += 1
     return wrapper
 
@@ -98,7 +104,7 @@ def report(imports_s: float, missing: list[str]) -> dict:
         for key in ("vision_s", "prefill_s", "steps_s"):
             engine[key] += float(getattr(e, "timing", {}).get(key, 0.0))
         engine["steps"] += int(getattr(e, "steps", 0))
-    covered = sum(v["main_s"] for k, v in _totals.items() if k not in NESTED)
+    covered = sum(v["main_s"] - v["nested_main_s"] for v in _totals.values())  # each second once
     return {"wall_s": round(wall, 3), "imports_s": round(imports_s, 3),
             "probes": {k: {kk: round(vv, 3) for kk, vv in v.items()} for k, v in _totals.items()},
             "engine": {k: round(v, 3) for k, v in engine.items()},
@@ -139,7 +145,7 @@ def print_timeline(row: dict) -> None:
     for name, main, other in timeline_rows(t):
         print(f"{name:<24}{main:>9.2f}{100 * main / wall:>7.1f}%{other:>17.2f}")
     print("(graph capture runs inside model load or engine steps; vision, prefill, decode steps and engine host work "
-          "make up the engine steps)")
+          "make up the engine steps, repairs' and probes' included)")
 
 
 class GpuSampler:
