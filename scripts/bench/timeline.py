@@ -5,7 +5,7 @@
 Runs ``ingest.commands.cli`` in this process after wrapping the functions that do each kind of work with timers
 (nothing in ``engine/`` or ``ingest/`` changes; a function that is not there any more is listed under ``missing``;
 the JSON is rewritten every 5 s too, so a run stopped at once keeps the timeline of a moment before):
-imports (ingest's CLI, torch, transformers), model load (``engine.loading.load_decoder``: weights, engine, buffers),
+imports (ingest's CLI, torch, transformers), intake of the named files, model load (``engine.loading.load_decoder``: weights, engine, buffers),
 graph capture (``StepGraphs.capture``), page preparation (``ingest.pages.prefetch``'s ``prepare``: render, probe
 inputs), orientation probes, submission (the processor on the caller's thread), engine steps (``engine_step``: its
 admissions, i.e. vision and prefill, and its decode steps, split by the engine's own ``timing``), quality checks,
@@ -33,6 +33,7 @@ from pathlib import Path
 
 T0 = time.perf_counter()
 PROBES = {  # name: (module, attribute path)
+    "intake": ("ingest.commands.batch", "intake_file"),
     "load": ("engine.loading", "load_decoder"),
     "graph_capture": ("engine.kernels.step_graphs", "StepGraphs.capture"),
     "page_preparation": ("ingest.pages.prefetch", "prepare"),
@@ -44,6 +45,7 @@ PROBES = {  # name: (module, attribute path)
     "ledger_release": ("ingest.worker.worker", "release"),
     "ledger_store": ("ingest.worker.worker", "store_chunk"),
     "finishing": ("ingest.worker.finish", "Finisher.finish"),
+    "finish_ready": ("ingest.worker.finish", "Finisher.finish_ready"),
 }
 _totals: dict[str, dict[str, float]] = {}
 _depth = threading.local()  # probes running on this thread (a probe inside another is counted as nested)
@@ -118,7 +120,8 @@ def timeline_rows(t: dict) -> list[tuple[str, float, float]]:
     steps = probes.get("engine_steps", {})
     capture = probes.get("graph_capture", {})
     inside = engine.get("vision_s", 0.0) + engine.get("prefill_s", 0.0) + engine.get("steps_s", 0.0)
-    rows = [("start-up (interpreter)", t.get("startup_s", 0.0), 0.0), ("imports", t.get("imports_s", 0.0), 0.0)]
+    rows = [("start-up (interpreter)", t.get("startup_s", 0.0), 0.0), ("imports", t.get("imports_s", 0.0), 0.0),
+            ("intake (hash, plan)", probes.get("intake", {}).get("main_s", 0.0), 0.0)]
     rows += [(name.replace("_", " "), probes.get(key, {}).get("main_s", 0.0), probes.get(key, {}).get("other_s", 0.0))
              for name, key in (("model load", "load"), ("page preparation", "page_preparation"),
                                ("orientation probes", "orientation"), ("submit (processor)", "submit"))]
