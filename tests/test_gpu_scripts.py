@@ -63,6 +63,7 @@ def test_bench_engine_tiny_smoke(tmp_path, capsys, monkeypatch):
         runs = res["runs"]
         assert not res["errors"] and set(runs) == {"generate", "plain", "lossless-10%"}  # torch kernels on the CPU
         assert all(r["tokens"] == 24 * res["batch"] for r in runs.values())
+        assert res["generate_equal_tokens"] and runs["generate"]["warm_tokens"] == 8  # the anchor at equal tokens
         assert runs["plain"]["backend"] == "eager" and runs["generate"]["x_generate"] == 1.0
         tokens = 24 * res["batch"]
         assert {name: (r["tok_s"], r["x_generate"], r["x_plain"]) for name, r in runs.items()} == {

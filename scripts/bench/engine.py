@@ -9,7 +9,8 @@ Every chunk of a batch has its own random pages (the per-page seed), so rows tak
 
 Per chunk size (``--pages``) and batch size B (``--batch``), B different chunks, each timed end to end (vision,
 prefills, decode; the device synchronised):
-- ``generate``: transformers ``generate()`` of the B chunks as one batch, official config (the anchor);
+- ``generate``: transformers ``generate()`` of the B chunks as one batch, official config (the anchor): ``--tokens``
+  new tokens a chunk, as the engine decodes, timed after an untimed warm-up call (``--generate-warm-tokens``);
 - ``plain``: `engine.batch.engine.BatchEngine`, no drafts, B rows, kernels ``--kernels`` (invariant by default);
 - ``plain-torch``: the same with the torch kernels (what batch invariance costs);
 - ``lossless-R%``: drafts of controlled quality: each row's own plain output with R% of the tokens replaced by wrong
@@ -193,7 +194,9 @@ def chunks_for(batch: int, pages: int) -> list[list]:
     return [[Page(1000 * b + p) for p in range(pages)] for b in range(batch)]
 
 
-def run_generate(loaded, chunks, tokens: int, device: str) -> dict:
+def run_generate(loaded, chunks, tokens: int, device: str, warm_tokens: int = 8) -> dict:
+    """transformers ``generate()`` of ``chunks`` as one batch, ``tokens`` new tokens each (the engine's count),
+    timed after a warm-up call of ``warm_tokens`` on the same inputs (kernels, allocator, cuBLAS handles)."""
     from transformers import BatchFeature
 
     from engine.official import chunk_inputs, official_generation_config
@@ -205,15 +208,21 @@ def run_generate(loaded, chunks, tokens: int, device: str) -> dict:
                            "pixel_values": torch.cat([p["pixel_values"] for p in parts]),
                            "num_local_patches": sum((p["num_local_patches"] for p in parts), []),
                            "patches_grid": sum((p["patches_grid"] for p in parts), [])})
+    inputs = inputs.to(loaded.device, dtype=loaded.dtype)
+    if warm_tokens:
+        with torch.inference_mode():
+            loaded.model.generate(**inputs, generation_config=official_generation_config(loaded, kind, warm_tokens))
     config = official_generation_config(loaded, kind, tokens)
     sync(device)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = loaded.model.generate(**inputs.to(loaded.device, dtype=loaded.dtype), generation_config=config)
+        out = loaded.model.generate(**inputs, generation_config=config)
     sync(device)
     seconds = time.perf_counter() - t0
-    n = (out.shape[1] - inputs["input_ids"].shape[1]) * len(chunks)
-    return {"seconds": seconds, "tokens": n, "tok_s": round(n / seconds, 1)}
+    per_chunk = out.shape[1] - inputs["input_ids"].shape[1]
+    n = per_chunk * len(chunks)
+    return {"seconds": round(seconds, 4), "tokens": n, "tokens_per_chunk": per_chunk, "tok_s": round(n / seconds, 1),
+            "warm_tokens": warm_tokens}
 
 
 def run_engine(loaded, chunks, tokens: int, device: str, mode: str, kernels: str, drafts=None, k_max: int = 16,
@@ -243,7 +252,8 @@ def run_engine(loaded, chunks, tokens: int, device: str, mode: str, kernels: str
     n = sum(len(r.output_ids) for r in results.values())
     steps, decode_s = engine.steps - steps_before, max(1e-9, engine.timing["steps_s"])
     rounds = sum(r.stats["verify_rounds"] for r in results.values())
-    row = {"seconds": round(seconds, 4), "tokens": n, "tok_s": round(n / seconds, 1),
+    row = {"seconds": round(seconds, 4), "tokens": n, "tokens_per_chunk": round(n / len(chunks), 1),
+           "tok_s": round(n / seconds, 1),
            "decode_tok_s": round(n / decode_s, 1), "steps": steps,
            "ms_per_step": round(1000 * decode_s / max(steps, 1), 3),
            "tau": round(sum(r.stats["accepted_tokens"] for r in results.values()) / rounds, 3) if rounds else 0.0,
@@ -263,8 +273,9 @@ def bench(loaded, pages: int, batch: int, args, log) -> dict:
     runs = out["runs"]
     try:
         if not args.no_generate:
-            runs["generate"] = run_generate(loaded, chunks, args.generate_tokens or args.tokens, args.device)
-            log(f"  generate: {runs['generate']['tok_s']} tok/s")
+            runs["generate"] = run_generate(loaded, chunks, args.tokens, args.device, args.generate_warm_tokens)
+            log(f"  generate: {runs['generate']['tok_s']} tok/s ({runs['generate']['tokens_per_chunk']} tokens a chunk, "
+                f"warmed)")
     except Exception as exc:  # noqa: BLE001 - e.g. out of memory at this batch: record, go on
         out["errors"]["generate"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         torch.cuda.empty_cache() if args.device.startswith("cuda") else None
@@ -291,6 +302,8 @@ def bench(loaded, pages: int, batch: int, args, log) -> dict:
             traceback.print_exc()
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
+    if "generate" in runs and "plain" in runs:  # the anchor is honest only at equal tokens
+        out["generate_equal_tokens"] = runs["generate"]["tokens"] == runs["plain"]["tokens"]
     base = runs.get("plain", {}).get("tok_s")
     anchor = runs.get("generate", {}).get("tok_s")
     for row in runs.values():
@@ -364,8 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-generate", action="store_true", help="skip the generate() anchor")
     ap.add_argument("--invariance", default="", help="comma-separated batch sizes at which row 0 is checked alone vs in "
                     "the batch (bitwise tokens and log-probabilities, both kernel sets)")
-    ap.add_argument("--generate-tokens", type=int, default=None,
-                    help="output tokens of the generate() anchor (default --tokens; its tok/s is per token)")
+    ap.add_argument("--generate-warm-tokens", type=int, default=8,
+                    help="new tokens of generate()'s untimed warm-up call (0: none); the timed call decodes --tokens")
     ap.add_argument("--mem-tokens", default="1024,8192")
     ap.add_argument("--mem-batch", type=int, default=64)
     ap.add_argument("--k-max", type=int, default=16)

@@ -1,16 +1,25 @@
 """Pages per hour through the whole pipeline: ``uflash run`` over synthetic documents, at each ``--max-batch``.
 
 Documents: ``--docs`` held-out synthetic PDFs (``scripts.synth.make_document``, seeds from ``--seed0`` below
-1,000,000) of ``--doc-pages`` pages each, image-only with ``--scan`` (no text layer: the block drafter's case).
-For each ``engine.max_batch`` in ``--max-batch`` (e.g. ``1,auto``) a fresh ledger, inbox and outbox, then one
-``uflash run`` of every document in a subprocess (model load, graph capture and every other one-off cost
-included), timed from the command's start to its exit. Reported per setting: wall seconds, pages, pages per hour,
-pages per hour once the model is loaded (the run's opening in the ledger: imports and model load left out; graph
-capture kept), time to the first finished document (its ledger completion time after the command's start), output
-tokens, tokens per second of decoding, mean tau and the mean batch size pages were decoded in (``stats.batch_rows``).
-Prints a table; the last line is one JSON object (also written to ``--json``).
+1,000,000) of ``--doc-pages`` pages each (``A-B``: drawn per document between A and B), image-only with ``--scan``
+(no text layer: the block drafter's case). For each mode in ``--mode`` and each ``engine.max_batch`` in
+``--max-batch`` (e.g. ``1,auto``) a fresh ledger, inbox and outbox, then one ``uflash run`` of every document in a
+subprocess (model load, graph capture and every other one-off cost included) under `scripts.bench.timeline`, timed
+from the command's start to its exit (or to ``--max-seconds``, when it is stopped as an operator would and its rates
+are those of the pages stored by then). ``--model`` may be a stand-in folder (``scripts.standin``: the real model's
+cost at full size); ``[quality] repair`` is then off (``--repair``), since its text fits no page's print.
+Reported per setting: wall seconds, pages, pages per hour, pages per hour once the model is loaded (the run's opening
+in the ledger: imports and model load left out; graph capture kept), time to the first finished page (its chunk's
+ledger time after the command's start) and document, output tokens, tokens per second of decoding, mean tau, the
+mean batch size pages were decoded in (``stats.batch_rows``), the GPU's busy share (``nvidia-smi``), and a timeline
+of where the wall went (start-up, imports, load, graph capture, page preparation, vision, prefill, decode steps,
+engine host work, quality checks, finishing, ledger claims and stores; main thread and other threads apart).
+Prints a table per setting and one for all; the last line is one JSON object (also written to ``--json``, after
+each setting too).
 
     python -m scripts.bench.pipeline --docs 50 --doc-pages 4 --max-batch 1,auto --json $OUT/pipeline.json
+    python -m scripts.bench.pipeline --model /tmp/standin --docs 95 --doc-pages 4-40 --scan --chunk-pages 16 \
+        --docs-dir /tmp/docs --max-batch auto --mode plain --max-seconds 540 --json $OUT/pipeline_standin_plain.json
 """
 
 from __future__ import annotations
@@ -18,6 +27,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -33,15 +45,26 @@ from db.runs import get_run, latest_run_with_pages, run_pages
 from db.session import Database
 from ingest.config import load_settings
 from ingest.errors import ExitCode
+from scripts.bench.timeline import GpuSampler, print_timeline
 
 
-def write_documents(folder: Path, docs: int, pages: int, seed0: int, scan: bool, ladder: bool = False) -> list[Path]:
+def page_counts(spec: str, docs: int, seed0: int) -> list[int]:
+    """``--doc-pages``: ``N`` pages each, or ``A-B``: between A and B pages, drawn per document from its seed."""
+    low, _, high = spec.partition("-")
+    return [int(low) if not high else random.Random(seed).randint(int(low), int(high))
+            for seed in range(seed0, seed0 + docs)]
+
+
+def write_documents(folder: Path, docs: int, pages: str, seed0: int, scan: bool, ladder: bool = False) -> list[Path]:
     from scripts.synth import HELD_OUT_LIMIT
 
     if seed0 + docs > HELD_OUT_LIMIT:
         raise SystemExit(f"held-out seeds must stay below {HELD_OUT_LIMIT:,}")
     folder.mkdir(parents=True, exist_ok=True)
-    jobs = [(folder / f"doc-{seed}.pdf", seed, pages, scan, ladder) for seed in range(seed0, seed0 + docs)]
+    counts = page_counts(str(pages), docs, seed0)
+    kind = "ladder" if ladder else f"{'scan' if scan else 'text'}-{pages}"
+    jobs = [(folder / f"doc-{kind}-{seed}.pdf", seed, n, scan, ladder)
+            for seed, n in zip(range(seed0, seed0 + docs), counts)]
     with ProcessPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1) or 1) as pool:
         return list(pool.map(write_document, *zip(*jobs))) if jobs else []
 
@@ -50,7 +73,8 @@ def write_document(path: Path, seed: int, pages: int, scan: bool, ladder: bool) 
     from scripts.synth import make_document
     from scripts.synth.ladder import ladder_document
 
-    path.write_bytes(ladder_document(seed)[0] if ladder else make_document(seed, pages, scan=scan)[0])
+    if not (path.is_file() and path.stat().st_size):  # --docs-dir: made once, reused by later calls
+        path.write_bytes(ladder_document(seed)[0] if ladder else make_document(seed, pages, scan=scan)[0])
     return path
 
 
@@ -62,6 +86,7 @@ def config_text(args, max_batch: str, mode: str) -> str:
         f'device = "{args.device}"', f'dtype = "{args.dtype}"', "[engine]", f'mode = "{mode}"',
         f"max_batch = {batch}", f"max_pages_per_chunk = {args.chunk_pages}",
         f"max_tokens_per_page = {args.max_tokens_per_page}",
+        *([] if args.repair else ["[quality]", "repair = false"]),
         *(["[outputs]", "formats = [" + ", ".join(f'"{f}"' for f in args.formats.split(",")) + "]"] if args.formats
           else []), ""])
 
@@ -77,10 +102,13 @@ def one_setting(args, documents: list[Path], max_batch: str, mode: str, work: Pa
     config = folder / "config.toml"
     config.write_text(config_text(args, max_batch, mode), encoding="utf-8")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    timeline = folder / "timeline.json"
+    cmd = [sys.executable, "-m", "scripts.bench.timeline", str(timeline), "--", "--config", str(config), "run",
+           *map(str, documents), "--out", str(folder / "out")]
     started = datetime.now().astimezone()
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "ingest.commands.cli", "--config", str(config), "run", *map(str, documents),
-                           "--out", str(folder / "out")], env=env, capture_output=True, text=True)
+    with GpuSampler(args.device) as gpu:
+        proc, cut = run_until(cmd, env, args.max_seconds)
     seconds = time.perf_counter() - t0
     if args.logs:
         args.logs.mkdir(parents=True, exist_ok=True)
@@ -88,7 +116,11 @@ def one_setting(args, documents: list[Path], max_batch: str, mode: str, work: Pa
         detail = folder / "logs" / "uflash.log"  # the file log: DEBUG, millisecond times (graph captures among them)
         if detail.exists():
             (args.logs / f"{mode}-{max_batch}.debug.log").write_bytes(detail.read_bytes())
-    row = {"max_batch": max_batch, "mode": mode, "exit_code": proc.returncode, "seconds": round(seconds, 2)}
+    row = {"max_batch": max_batch, "mode": mode, "exit_code": proc.returncode, "seconds": round(seconds, 2),
+           "pages_queued": sum(page_counts_of(documents)), "cut_at_s": cut}
+    if timeline.exists():
+        row["timeline"] = json.loads(timeline.read_text())
+        row["timeline"]["startup_s"] = round(seconds - row["timeline"]["wall_s"], 3)  # interpreter start, exit
     if proc.returncode != 0:
         row["stderr_tail"] = proc.stderr[-2000:]
         print(f"uflash run exited {proc.returncode}:\n{row['stderr_tail']}", file=sys.stderr, flush=True)
@@ -107,27 +139,75 @@ def one_setting(args, documents: list[Path], max_batch: str, mode: str, work: Pa
     done = list({doc.id: doc.completed_at for _, doc in pages if doc.completed_at is not None}.values())
     opened = [run.started_at] if run is not None else []
     first = min((aware(c, started) for c in done), default=None)
+    first_page = min((aware(page.created_at, started) for page, _ in pages), default=None)
     tokens = sum(s.get("tokens", 0) for s in stats)
     decode_s = sum(s.get("verify_s", 0.0) + s.get("single_s", 0.0) + s.get("draft_s", 0.0) for s in stats)
     row.update(pages=len(stats), documents=len(done), pages_per_hour=round(3600 * len(stats) / seconds, 1),
                tokens=tokens, decode_tok_s=round(tokens / decode_s, 1) if decode_s else None,
                tau=round(statistics.mean(s.get("tau", 0.0) for s in stats), 3) if stats else None,
                batch_rows=round(statistics.mean(s.get("batch_rows", 1.0) for s in stats), 2) if stats else None,
-               first_document_s=round((first - started).total_seconds(), 2) if first else None)
+               first_document_s=round((first - started).total_seconds(), 2) if first else None,
+               first_page_s=round((first_page - started).total_seconds(), 2) if first_page else None)
     # the run opens once the model is loaded: the rate from there (imports and model load left out; graph capture,
     # rendering and the first fill kept)
     loaded = aware(opened[0], started) if opened else None
     if loaded is not None and stats:
         row["loaded_s"] = round((loaded - started).total_seconds(), 2)
         row["after_load_pages_per_hour"] = round(3600 * len(stats) / max(1e-9, seconds - row["loaded_s"]), 1)
+    row["gpu_busy"] = gpu.busy(row.get("loaded_s"))
     return row
+
+
+def environment(device: str) -> dict:
+    """Versions and the GPU, without touching CUDA in this process (the run's own process owns the GPU)."""
+    import platform
+
+    import torch
+    import transformers
+
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
+           "python": platform.python_version(), "cpus": os.cpu_count()}
+    if device != "cpu" and shutil.which("nvidia-smi"):
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True).stdout.strip().splitlines()
+        env["gpu"] = out[0] if out else None
+    return env
+
+
+def page_counts_of(documents: list[Path]) -> list[int]:
+    import pymupdf
+
+    counts = []
+    for d in documents:
+        with pymupdf.open(d) as doc:
+            counts.append(doc.page_count)
+    return counts
+
+
+def run_until(cmd: list[str], env: dict, max_seconds: float | None) -> tuple[subprocess.CompletedProcess, float | None]:
+    """Run ``cmd``; past ``max_seconds`` stop it as an operator would (SIGTERM, and again to stop at once): the pages
+    stored by then are the run's. Returns the finished process and the second it was cut at (None: not cut)."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=max_seconds)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err), None
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(2.0)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err), max_seconds
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="models/demo")
     ap.add_argument("--docs", type=int, default=50)
-    ap.add_argument("--doc-pages", type=int, default=4)
+    ap.add_argument("--doc-pages", default="4", help="pages a document: N, or A-B (drawn per document)")
     ap.add_argument("--seed0", type=int, default=860_000)
     ap.add_argument("--scan", action="store_true", help="image-only pages (no text layer)")
     ap.add_argument("--ladder", action="store_true", help="the grades' difficulty ladder instead (scripts.synth.ladder: "
@@ -141,44 +221,68 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--chunk-pages", type=int, default=4)
     ap.add_argument("--max-tokens-per-page", type=int, default=1500)
+    ap.add_argument("--docs-dir", type=Path, help="where the documents are made (those already there are reused)")
+    ap.add_argument("--only-docs", action="store_true", help="make the documents (in --docs-dir) and stop")
+    ap.add_argument("--max-seconds", type=float, default=None, help="stop each run after this long (SIGTERM twice); "
+                    "its rates are those of the pages stored by then")
+    ap.add_argument("--repair", choices=("auto", "on", "off"), default="auto", help="[quality] repair (pages read "
+                    "again alone); auto: off for a stand-in model (scripts.standin: its text fits no page's print)")
     ap.add_argument("--formats", default="", help="[outputs] formats (default: the config's own)")
     ap.add_argument("--logs", type=Path, help="folder for each setting's logs (uflash run's stderr and its file log)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    standin = (Path(args.model) / "standin.json").is_file()
+    args.repair = args.repair == "on" or (args.repair == "auto" and not standin)
     work = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
-    documents = write_documents(work / "docs", args.docs, args.doc_pages, args.seed0, args.scan, args.ladder)
-    report = {"benchmark": "bench_pipeline", "argv": sys.argv[1:] if argv is None else argv, "settings": []}
+    documents = write_documents(args.docs_dir or work / "docs", args.docs, args.doc_pages, args.seed0, args.scan,
+                                args.ladder)
+    if args.only_docs:
+        print(json.dumps({"documents": len(documents), "pages": sum(page_counts_of(documents))}))
+        return 0
+    report = {"benchmark": "bench_pipeline", "argv": sys.argv[1:] if argv is None else argv, "settings": [],
+              "model": json.loads((Path(args.model) / "standin.json").read_text()) if standin else {"path": args.model},
+              "documents": len(documents), "pages": sum(page_counts_of(documents)), "repair": args.repair,
+              "environment": environment(args.device)}
+    report["model"].pop("first_tokens", None)
     for mode in args.mode.split(","):
         for max_batch in args.max_batch.split(","):
             docs = documents[: args.docs_at_batch_1] if max_batch == "1" and args.docs_at_batch_1 else documents
             report["settings"].append(one_setting(args, docs, max_batch, mode, work))
-            print(json.dumps(report["settings"][-1]), flush=True)
+            print_timeline(report["settings"][-1])
+            write_json(args.json, report)  # what is measured so far survives a cut-off call
     print(f"\n{'mode':<9}{'max_batch':>9} {'pages':>6} {'seconds':>8} {'pages/h':>9} {'loaded p/h':>11}"
-          f" {'first doc s':>11} {'tok/s':>8} {'tau':>6} {'rows':>6}")
+          f" {'1st page s':>10} {'1st doc s':>9} {'tok/s':>8} {'tau':>6} {'rows':>6} {'GPU busy':>8}")
     for r in report["settings"]:
         print(f"{r['mode']:<9}{r['max_batch']:>9} {r.get('pages', 0):>6} {r['seconds']:>8.1f}"
               f" {r.get('pages_per_hour', 0):>9.1f} {r.get('after_load_pages_per_hour') or 0:>11.1f}"
-              f" {r.get('first_document_s') or 0:>11.1f}"
-              f" {r.get('decode_tok_s') or 0:>8.1f} {r.get('tau') or 0:>6.2f} {r.get('batch_rows') or 0:>6.2f}")
+              f" {r.get('first_page_s') or 0:>10.1f} {r.get('first_document_s') or 0:>9.1f}"
+              f" {r.get('decode_tok_s') or 0:>8.1f} {r.get('tau') or 0:>6.2f} {r.get('batch_rows') or 0:>6.2f}"
+              f" {(r.get('gpu_busy') or {}).get('after_load') or 0:>8.2f}"
+              + (f"  (cut at {r['cut_at_s']:.0f} s of {r['pages_queued']} pages)" if r.get("cut_at_s") else ""))
     for mode in args.mode.split(","):
         for key, name in (("pages_per_hour", "auto_over_1"), ("after_load_pages_per_hour", "after_load_auto_over_1")):
             rates = {r["max_batch"]: r.get(key) for r in report["settings"] if r["mode"] == mode}
             if rates.get("1") and rates.get("auto"):
                 report.setdefault(name, {})[mode] = round(rates["auto"] / rates["1"], 2)
                 print(f"{mode}: {key.replace('_', ' ')} at auto / at 1: {report[name][mode]}")
-    by = {(r["mode"], r["max_batch"]): r.get("pages_per_hour") for r in report["settings"]}
-    for max_batch in args.max_batch.split(","):
-        if by.get(("plain", max_batch)) and by.get(("lossless", max_batch)):
-            report.setdefault("lossless_over_plain", {})[max_batch] = \
-                round(by[("lossless", max_batch)] / by[("plain", max_batch)], 3)
-    if "lossless_over_plain" in report:
-        print(f"pages/hour lossless / plain: {report['lossless_over_plain']}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1))
+    for key, name in (("pages_per_hour", "lossless_over_plain"),
+                      ("after_load_pages_per_hour", "after_load_lossless_over_plain")):
+        by = {(r["mode"], r["max_batch"]): r.get(key) for r in report["settings"]}
+        for max_batch in args.max_batch.split(","):
+            if by.get(("plain", max_batch)) and by.get(("lossless", max_batch)):
+                report.setdefault(name, {})[max_batch] = round(by[("lossless", max_batch)] / by[("plain", max_batch)], 3)
+        if name in report:
+            print(f"{key.replace('_', ' ')} lossless / plain: {report[name]}")
+    write_json(args.json, report)
     print(json.dumps(report, separators=(",", ":")))
-    return ExitCode.OK if all(r["exit_code"] == ExitCode.OK for r in report["settings"]) else ExitCode.UNEXPECTED
+    ok = all(r["exit_code"] == ExitCode.OK or r.get("cut_at_s") for r in report["settings"])
+    return ExitCode.OK if ok else ExitCode.UNEXPECTED
 
+
+def write_json(path: Path | None, report: dict) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=1))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,221 @@
+"""``uflash`` with a timeline: where the wall time of one command goes, written as JSON when the process ends.
+
+    python -m scripts.bench.timeline OUT.json -- --config config.toml run docs/*.pdf
+
+Runs ``ingest.commands.cli`` in this process after wrapping the functions that do each kind of work with timers
+(nothing in ``engine/`` or ``ingest/`` changes; a function that is not there any more is listed under ``missing``;
+the JSON is rewritten every 5 s too, so a run stopped at once keeps the timeline of a moment before):
+imports (ingest's CLI, torch, transformers), intake of the named files, model load (``engine.loading.load_decoder``: weights, engine, buffers),
+graph capture (``StepGraphs.capture``), page preparation (``ingest.pages.prefetch``'s ``prepare``: render, probe
+inputs), orientation probes, submission (the processor on the caller's thread), engine steps (``engine_step``: its
+admissions, i.e. vision and prefill, and its decode steps, split by the engine's own ``timing``), quality checks,
+ledger claims and stores, and finishing documents (grades, outputs, moves). Each is summed separately for the main
+thread (where it holds up the decode loop) and for other threads (where it overlaps it), with its call count and
+the main-thread seconds it ran inside another probe (``nested_main_s``: graph captures inside load or engine steps,
+engine steps inside orientation probes or quality repairs).
+``main_other_s``: the main thread's wall that no probe covers (the loop's own work, waiting).
+`print_timeline` prints it as a table; `GpuSampler` gives the GPU's busy share over the same run.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import importlib
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+T0 = time.perf_counter()
+PROBES = {  # name: (module, attribute path)
+    "intake": ("ingest.commands.batch", "intake_file"),
+    "load": ("engine.loading", "load_decoder"),
+    "graph_capture": ("engine.kernels.step_graphs", "StepGraphs.capture"),
+    "page_preparation": ("ingest.pages.prefetch", "prepare"),
+    "orientation": ("ingest.pages.prepare", "Turns.turn_upright"),
+    "submit": ("engine.chunk_decode", "EngineDecoder.submit"),
+    "engine_steps": ("engine.chunk_decode", "EngineDecoder.engine_step"),
+    "quality_checks": ("ingest.worker.worker", "checked_stats"),
+    "ledger_claim": ("ingest.worker.worker", "claim"),
+    "ledger_release": ("ingest.worker.worker", "release"),
+    "ledger_store": ("ingest.worker.worker", "store_chunk"),
+    "finishing": ("ingest.worker.finish", "Finisher.finish"),
+    "finish_ready": ("ingest.worker.finish", "Finisher.finish_ready"),
+}
+_totals: dict[str, dict[str, float]] = {}
+_depth = threading.local()  # probes running on this thread (a probe inside another is counted as nested)
+_engines: list = []
+_lock = threading.Lock()
+
+
+def _timed(name: str, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t, nested = time.perf_counter(), getattr(_depth, "n", 0) > 0
+        _depth.n = getattr(_depth, "n", 0) + 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _depth.n -= 1
+            where = "main" if threading.current_thread() is threading.main_thread() else "other"
+            seconds = time.perf_counter() - t
+            with _lock:
+                row = _totals.setdefault(name, {"main_s": 0.0, "other_s": 0.0, "nested_main_s": 0.0, "calls": 0})
+                row[f"{where}_s"] += seconds
+                row["nested_main_s"] += seconds if nested and where == "main" else 0.0
+                row["calls"] += 1
+    return wrapper
+
+
+def install() -> list[str]:
+    """Wrap every probe; the names of those not found."""
+    missing = []
+    for name, (module, path) in PROBES.items():
+        try:
+            owner = importlib.import_module(module)
+            *parents, attr = path.split(".")
+            for p in parents:
+                owner = getattr(owner, p)
+            setattr(owner, attr, _timed(name, getattr(owner, attr)))
+        except (ImportError, AttributeError):
+            missing.append(name)
+    try:  # the engines made, to read their own timing at the end
+        from engine.batch.engine import BatchEngine
+
+        init = BatchEngine.__init__
+
+        def keep(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            _engines.append(self)
+
+        BatchEngine.__init__ = keep
+    except ImportError:
+        missing.append("engine_timing")
+    return missing
+
+
+def report(imports_s: float, missing: list[str]) -> dict:
+    wall = time.perf_counter() - T0
+    engine = {"vision_s": 0.0, "prefill_s": 0.0, "steps_s": 0.0, "steps": 0}
+    for e in _engines:
+        for key in ("vision_s", "prefill_s", "steps_s"):
+            engine[key] += float(getattr(e, "timing", {}).get(key, 0.0))
+        engine["steps"] += int(getattr(e, "steps", 0))
+    covered = sum(v["main_s"] - v["nested_main_s"] for v in _totals.values())  # each second once
+    return {"wall_s": round(wall, 3), "imports_s": round(imports_s, 3),
+            "probes": {k: {kk: round(vv, 3) for kk, vv in v.items()} for k, v in _totals.items()},
+            "engine": {k: round(v, 3) for k, v in engine.items()},
+            "main_other_s": round(wall - imports_s - covered, 3), "missing": missing}
+
+
+# -- read by scripts.bench.pipeline (the parent process) --------------------------------------------------
+def timeline_rows(t: dict) -> list[tuple[str, float, float]]:
+    """(what, main-thread seconds, other threads' seconds) of a run's timeline, in the order work happens."""
+    probes, engine = t.get("probes", {}), t.get("engine", {})
+    steps = probes.get("engine_steps", {})
+    capture = probes.get("graph_capture", {})
+    inside = engine.get("vision_s", 0.0) + engine.get("prefill_s", 0.0) + engine.get("steps_s", 0.0)
+    rows = [("start-up (interpreter)", t.get("startup_s", 0.0), 0.0), ("imports", t.get("imports_s", 0.0), 0.0),
+            ("intake (hash, plan)", probes.get("intake", {}).get("main_s", 0.0), 0.0)]
+    rows += [(name.replace("_", " "), probes.get(key, {}).get("main_s", 0.0), probes.get(key, {}).get("other_s", 0.0))
+             for name, key in (("model load", "load"), ("page preparation", "page_preparation"),
+                               ("orientation probes", "orientation"), ("submit (processor)", "submit"))]
+    rows += [("graph capture", capture.get("main_s", 0.0), capture.get("other_s", 0.0)),
+             ("vision", engine.get("vision_s", 0.0), 0.0), ("prefill", engine.get("prefill_s", 0.0), 0.0),
+             ("decode steps", engine.get("steps_s", 0.0), 0.0),
+             ("engine host work", max(0.0, steps.get("main_s", 0.0) - inside), 0.0)]
+    rows += [(name, probes.get(key, {}).get("main_s", 0.0), probes.get(key, {}).get("other_s", 0.0))
+             for name, key in (("quality checks", "quality_checks"), ("finishing documents", "finishing"),
+                               ("ledger claims", "ledger_claim"), ("ledger stores", "ledger_store"))]
+    rows.append(("main loop, other", t.get("main_other_s", 0.0), 0.0))
+    return rows
+
+
+def print_timeline(row: dict) -> None:
+    t = row.get("timeline")
+    if not t:
+        return
+    wall = row["seconds"]
+    gpu = row.get("gpu_busy") or {}
+    print(f"\n{row['mode']} max_batch {row['max_batch']}: {wall:.1f} s wall; GPU busy {gpu.get('whole_run')} of the "
+          f"run, {gpu.get('after_load')} after load (nvidia-smi)")
+    print(f"{'where':<24}{'main s':>9}{'% wall':>8}{'other threads s':>17}")
+    for name, main, other in timeline_rows(t):
+        print(f"{name:<24}{main:>9.2f}{100 * main / wall:>7.1f}%{other:>17.2f}")
+    print("(graph capture runs inside model load or engine steps; vision, prefill, decode steps and engine host work "
+          "make up the engine steps, repairs' and probes' included)")
+
+
+class GpuSampler:
+    """The GPU's busy share while a run goes (``nvidia-smi`` utilization.gpu: the share of each sample period in
+    which a kernel ran, sampled every 200 ms); nothing without a GPU."""
+
+    def __init__(self, device: str):
+        self.samples: list[tuple[float, float]] = []
+        self.proc = None
+        self.wanted = device != "cpu" and shutil.which("nvidia-smi") is not None
+        index = device.split(":")[1] if device.startswith("cuda:") else "0"
+        self.cmd = ["nvidia-smi", "-i", index, "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                    "-lms", "200"]
+
+    def __enter__(self) -> GpuSampler:
+        if self.wanted:
+            self.t0 = time.perf_counter()
+            self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            self.reader = threading.Thread(target=self._read, daemon=True)
+            self.reader.start()
+        return self
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                self.samples.append((time.perf_counter() - self.t0, float(line.strip())))
+            except ValueError:
+                pass
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+
+    def busy(self, after_s: float | None) -> dict | None:
+        if not self.samples:
+            return None
+        late = [u for t, u in self.samples if after_s is None or t >= after_s]
+        return {"whole_run": round(statistics.mean(u for _, u in self.samples) / 100, 3),
+                "after_load": round(statistics.mean(late) / 100, 3) if late else None, "samples": len(self.samples)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) < 2 or argv[1] != "--":
+        print(__doc__.split("\n\n")[0] + "\n\nusage: python -m scripts.bench.timeline OUT.json -- UFLASH_ARGS...")
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    out, args = Path(argv[0]), argv[2:]
+    import torch  # noqa: F401 - imports counted as imports, as uflash would make them anyway
+    import transformers  # noqa: F401
+
+    from ingest.commands import cli
+
+    imports_s = time.perf_counter() - T0
+    missing = install()
+    def write() -> None:
+        out.write_text(json.dumps(report(imports_s, missing), indent=1))
+
+    def every(seconds: float) -> None:  # a run stopped at once (os._exit) keeps the timeline of a moment before
+        while True:
+            time.sleep(seconds)
+            write()
+
+    atexit.register(write)
+    threading.Thread(target=every, args=(5.0,), daemon=True).start()
+    return cli.main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""The pipeline benchmark's pieces that need no GPU: documents of A-B pages, and the timeline wrapper finding every
+function it times (a rename elsewhere would silently drop a line of the timeline)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from scripts.bench.pipeline import page_counts
+from scripts.bench.timeline import timeline_rows
+from tests.conftest import ROOT
+
+
+def test_page_counts_fixed_or_drawn_per_document():
+    assert page_counts("4", 3, 860_000) == [4, 4, 4]
+    drawn = page_counts("4-40", 200, 860_000)
+    assert drawn == page_counts("4-40", 200, 860_000) and min(drawn) >= 4 and max(drawn) <= 40
+    assert len(set(drawn)) > 20
+
+
+def test_timeline_wraps_every_probe_and_writes_json(tmp_path):
+    out = tmp_path / "timeline.json"
+    r = subprocess.run([sys.executable, "-m", "scripts.bench.timeline", str(out), "--", "--help"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    t = json.loads(out.read_text())
+    assert t["missing"] == [] and t["imports_s"] > 0 and t["wall_s"] >= t["imports_s"]
+    rows = dict((name, main) for name, main, _ in timeline_rows({**t, "startup_s": 0.5}))
+    assert rows["imports"] == t["imports_s"] and rows["start-up (interpreter)"] == 0.5 and "decode steps" in rows
