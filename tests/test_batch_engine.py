@@ -156,7 +156,7 @@ def test_out_of_memory_sends_rows_back_and_loses_nothing(models, official, monke
     loaded = models[8]
     expected = [official(8, i) for i in range(len(CHUNKS))]
     engine = BatchEngine(loaded, "plain", max_batch=4)
-    real, calls = engine.model.forward.step_body, []
+    real, calls = engine.forward.step_body, []
 
     def flaky(n, w, prefix_bucket):
         calls.append(n)
@@ -164,7 +164,7 @@ def test_out_of_memory_sends_rows_back_and_loses_nothing(models, official, monke
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real(n, w, prefix_bucket)
 
-    monkeypatch.setattr(engine.model.forward, "step_body", flaky)
+    monkeypatch.setattr(engine.forward, "step_body", flaky)
     results = engine.run([engine.prepare(c, limit(8, i), key=i) for i, c in enumerate(CHUNKS)])
     assert [r.output_ids for r in results] == expected
     assert engine.row_limit == 2 and max(calls[5:]) <= 2
@@ -242,7 +242,7 @@ def test_invariant_kernel_pieces_match_torch():
 @pytest.mark.parametrize("option", [dict(moe="gather"), dict(moe="dense"), dict(moe="mixed"), dict(attn="sdpa"),
                                     dict(attn="matmul"), dict(linear="bmv")], ids=lambda o: "-".join(o.values()))
 def test_other_torch_implementations_equal_official(models, official, option):
-    """The step's other routed-expert, attention and projection implementations (`engine.model.forward`), plain and with
+    """The step's other routed-expert, attention and projection implementations (`engine.forward`), plain and with
     drafts half right: every chunk of a batch still equals official."""
     loaded = models[8]
     expected = [official(8, i) for i in range(len(CHUNKS))]
@@ -443,14 +443,15 @@ def test_a_chunk_that_does_not_fit_alone_comes_back_with_its_error(models, offic
 
     loaded = models[8]
     decoder = EngineDecoder(BatchEngine(loaded, "plain", max_batch=2))
-    real = decoder.engine.model.forward.step_body
+    real = decoder.engine.forward.step_body
 
     def alone_too_big(n, w, prefix_bucket):
-        if decoder.engine.active == 1 and decoder.engine.batch.rows[0] is not None and decoder.engine.batch.rows[0].request.key == 1:
+        row = decoder.engine.rows[0]
+        if decoder.engine.active == 1 and row is not None and row.request.key == 1:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real(n, w, prefix_bucket)
 
-    monkeypatch.setattr(decoder.engine.model.forward, "step_body", alone_too_big)
+    monkeypatch.setattr(decoder.engine.forward, "step_body", alone_too_big)
     decoder.engine.row_limit = 1  # one row: chunk 1 alone, chunk 2 waits in the queue
     for i in (1, 2):
         decoder.submit(i, CHUNKS[i], 4096, limit(8, i))

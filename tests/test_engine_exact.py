@@ -188,8 +188,8 @@ def test_a_chunks_seconds_include_its_admission(models):
     import time
 
     engine = BatchEngine(models[8], "plain")
-    real = engine.model.forward.prefill
-    engine.model.forward.prefill = lambda *args, **kw: (time.sleep(2.0), real(*args, **kw))[1]
+    real = engine.forward.prefill
+    engine.forward.prefill = lambda *args, **kw: (time.sleep(2.0), real(*args, **kw))[1]
     out = EngineDecoder(engine).decode(_pages(1), context_limit=32768, max_new_tokens=5)
     assert out.chunk_stats["prefill_s"] >= 2.0
     assert out.chunk_stats["wall_seconds"] >= out.chunk_stats["prefill_s"]
