@@ -16,7 +16,6 @@ import torch
 
 import engine.batch.acceptance
 from engine.batch.engine import BatchEngine
-from engine.batch.step_width import StepWidth, expected_tokens
 from engine.drafters.suffix_match import ReplayDrafter
 from engine.kernels.step_graphs import GraphCaptureError, StepGraphs, cuda_graphs_available
 from engine.model.kv_slots import PREFIX_BUCKETS, bucket, pow2_buckets
@@ -170,25 +169,6 @@ def test_out_of_memory_sends_rows_back_and_loses_nothing(models, official, monke
     assert engine.row_limit == 2 and max(calls[5:]) <= 2
 
 
-def test_step_width_follows_acceptance_and_cost():
-    chooser = StepWidth([1, 2, 4, 8, 16, 17])
-    assert expected_tokens([1.0] * 4, 4) == 5 and expected_tokens([0.0] * 16, 16) == 1
-    flat = lambda p: [p] * 16  # noqa: E731 - every position accepted with chance p
-    assert chooser.choose(8, [flat(0.9)] * 8, block=False) == 17  # nothing measured: every width costs the same
-    for width, seconds in ((1, 0.010), (17, 0.040), (4, 0.012)):
-        chooser.observe(8, width, False, 10.0)  # the first step of a width (capture, compile): dropped
-        chooser.observe(8, width, False, seconds)
-    assert chooser.choose(8, [flat(0.02)] * 8, block=False) == 1  # bad drafts, wide steps cost more: plain
-    assert chooser.choose(8, [flat(0.99)] * 8, block=False) == 17  # good drafts pay for the width
-    assert chooser.choose(8, [[0.9, 0.8, 0.6, 0.4] + [0.05] * 12] * 8, block=False) == 4
-    chooser.record("block", proposed=8, accepted=3)
-    chooser.record("block", proposed=8, accepted=8)
-    prior = chooser.accept_at("block", [], [], 8)
-    assert prior[0] == pytest.approx(3 / 4) and prior[4] == pytest.approx(2 / 4)  # (accepted + 1) / (rounds + 2)
-    own = chooser.accept_at("block", [10, 10], [10, 10], 2)  # a row's own record weighs in
-    assert own[0] > prior[0]
-
-
 def test_the_block_drafter_drafts_for_every_row_and_stays_exact(models, official):
     from engine.drafters.block import BlockDrafterConfig, BlockDrafterNet
 
@@ -332,11 +312,8 @@ def test_a_failed_graph_capture_falls_back_to_eager_steps_and_loses_nothing(mode
         def __init__(self):
             self.tried, self.graphs = [], {}
 
-        def capture_all(self, keys):
-            StepGraphs.capture_all(self, keys)  # the real loop over this stand-in's capture
-
-        def has(self, key):
-            return False
+        def ready(self, key):
+            return True  # capture now
 
         def capture(self, key):
             self.tried.append(key)
