@@ -94,8 +94,9 @@ def test_batches_equal_official_for_every_chunk(models, official, window):
     for how in ("right", "half", "wrong"):
         results = decode_all(loaded, expected, "lossless", 3, drafts=how, name=window)
         assert [r.output_ids for r in results] == expected, how
-        taus = [r.stats["tau"] for r in results]
-        assert (min(taus) > 8) if how == "right" else (max(taus) == 0 if how == "wrong" else 0 < max(taus) < 8)
+        taus = [r.stats["tau"] for r in results]  # right drafts: long accepted runs, once the width choice measured
+        # plain and climbed from narrow widths (a 50-token chunk spends a few rounds on that)
+        assert (min(taus) > 4) if how == "right" else (max(taus) == 0 if how == "wrong" else 0 < max(taus) < 8)
 
 
 def test_rule_fires_inside_batches_and_is_followed(models, official, monkeypatch):

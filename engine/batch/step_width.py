@@ -62,7 +62,8 @@ class StepWidth:
         self.probes = 0
         self._seen: set[tuple[int, int, int, bool]] = set()
         self._priors: dict[str, list[float]] = {}  # drafter -> its prior per position (see _prior)
-        self._plain_run = 0  # steps since the last wide step that was not a probe
+        self._plain_run = 0  # plain steps since the last wide step that was not a probe (measuring steps aside)
+        self._measuring = False  # this step runs plain to measure it, not because plain won
         self._since_probe = (0, 0.0)  # steps and seconds since the last probe
         self._probing = False
         self._since_plain: dict[tuple[int, int], int] = {}  # cell -> steps since it last ran width 1
@@ -168,13 +169,14 @@ class StepWidth:
         acceptance chances (one list per row, as long as its draft)."""
         self.steps += 1
         self._fade()
-        self._expected, self._probing = 0.0, False
+        self._expected, self._probing, self._measuring = 0.0, False, False
         widest = max((len(w) for w in wants), default=0) + 1
         if widest == 1:
             return 1
         cell = (rows, prefix)
         base = self.cost.get((rows, prefix, 1, False))
         if base is None:
+            self._measuring = True
             return 1  # plain decoding first: the baseline every wider width must beat
         candidates = [w for w in self.widths if 1 < w < widest] + [next(w for w in self.widths if w >= widest)]
         chances = np.zeros((len(wants), widest), dtype=np.float64)  # column m: the chance of draft position m
@@ -193,7 +195,7 @@ class StepWidth:
             best = min((w for w in candidates if w >= PROBE_WIDTH), default=candidates[-1])
             self.probes, self._probing = self.probes + 1, True
         elif best > 1 and self._since_plain.get(cell, 0) >= REFRESH_EVERY:
-            best = 1  # keep plain decoding's cost current
+            best, self._measuring = 1, True  # keep plain decoding's cost current
         if best > 1:
             self._expected = float(extra[min(best - 1, widest - 1)]) / self.calibration
         return best
@@ -203,7 +205,9 @@ class StepWidth:
         """A step ran: its width, its wall time (None: not a measure of cost, e.g. it captured graphs), the tokens it
         committed over its ``n_rows`` rows. The first time of each (rows, prefix, width, block) is dropped."""
         cell = (rows, prefix)
-        self._plain_run = self._plain_run + 1 if width == 1 or self._probing else 0
+        if not self._measuring:
+            self._plain_run = self._plain_run + 1 if width == 1 or self._probing else 0
+        self._measuring = False
         steps, spent = self._since_probe
         self._since_probe = (0, 0.0) if self._probing else (steps + 1, spent + (seconds or 0.0))
         self._probing = False
