@@ -80,7 +80,8 @@ def test_groups_are_bounded_by_rows_pages_and_tokens(loaded):
     assert len(next_group(pending, 5, 64, 10**6)) == 5
     assert len(next_group(pending, 2, 64, 10**6)) == 2
     assert len(next_group(pending, 5, 4, 10**6)) == 2  # 1 + 3 pages
-    assert len(next_group(pending, 5, 1, 1)) == 1  # at least one chunk
+    assert len(next_group(pending, 5, 1, 1)) == 1  # at least one chunk: the turn's first group
+    assert not next_group(pending, 5, 1, 1, first=False)  # a later group of the turn keeps within its budget
 
 
 def test_out_of_memory_admitting_several_chunks_halves_the_group_and_loses_nothing(loaded, expected):

@@ -44,14 +44,15 @@ def _prefix_len(request) -> int:
     return len(request.inputs["input_ids"][0])
 
 
-def next_group(pending, free: int, pages: int, tokens: int) -> list:
-    """How many of the first waiting chunks the next group takes: at most ``free`` chunks, ``pages`` pages and
-    ``tokens`` prefix tokens, at least one chunk."""
+def next_group(pending, free: int, pages: int, tokens: int, first: bool = True) -> list:
+    """The first waiting chunks the next group takes: at most ``free`` chunks, ``pages`` pages and ``tokens`` prefix
+    tokens; at least one chunk when it is the turn's ``first`` group."""
     count = used_pages = used_tokens = 0
     for request in pending:
         if count >= free:
             break
-        if count and (used_pages + request.n_pages > pages or used_tokens + _prefix_len(request) > tokens):
+        if (count or not first) and (used_pages + request.n_pages > pages or
+                                     used_tokens + _prefix_len(request) > tokens):
             break
         count, used_pages, used_tokens = count + 1, used_pages + request.n_pages, used_tokens + _prefix_len(request)
     return [pending[i] for i in range(count)]
@@ -65,7 +66,9 @@ def admit(engine) -> list[ChunkResult]:
         free = [i for i in range(engine.row_limit) if engine.rows[i] is None]
         if not free:
             break
-        group = next_group(engine.pending, len(free), engine.admit_pages, budget)
+        group = next_group(engine.pending, len(free), engine.admit_pages, budget, budget == engine.admit_tokens)
+        if not group:
+            break
         if _make_room(engine, max(_prefix_len(r) for r in group)):
             continue  # the cache holds fewer rows now: the free rows again
         for _ in group:
