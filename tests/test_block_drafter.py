@@ -376,8 +376,9 @@ def test_train_drafter_decodes_with_the_init_drafter_and_live_checks_after_a_war
     assert ev["batch"] == 1 and ev["backend"] == "eager" and ev["tokens"] == 2 * 50  # each chunk to its limit
     assert ev["speedup_vs_plain"] == pytest.approx(ev["plain_s"] / ev["block_s"], rel=0.02)
     # the timed chunks verify block drafts only while the width policy expects them to pay, and after the warm-up it
-    # knows this barely trained drafter's record: a step-time matter on a busy machine. Its positions: none or k_max.
-    assert len(ev["acceptance_by_position"]) in (0, 4) and any(w.endswith("+block") for w in ev["ms_step_by_width"])
+    # knows this barely trained drafter's record: a step-time matter on a busy machine. Its positions: none, those of
+    # the narrower widths it climbs through or probes with, or k_max.
+    assert len(ev["acceptance_by_position"]) <= 4 and any(w.endswith("+block") for w in ev["ms_step_by_width"])
     assert main([*common, "--eval-only", "--init", str(second), "--eval-pages", "3", "--eval-batch",
                  "--no-eval-warmup", "--json", str(record_path)]) == 0
     ev = json.loads(record_path.read_text())["eval"]
