@@ -23,8 +23,9 @@ Exploration is cheap and periodic:
 - a cell that runs wide steps runs one plain step every ``REFRESH_EVERY`` steps (plain's cost stays current);
 - after ``SKIP_AFTER`` plain steps in a row the rows stop drafting (no host work spent for nothing), but once the
   plain steps since the last probe took ``1 / PROBE_BUDGET`` times what a probe costs beyond a plain step, they draft
-  again and the step runs at ``PROBE_WIDTH`` (a probe): a drafter switched off by hard pages gets evidence again when
-  easy pages follow, for about ``PROBE_BUDGET`` of the time.
+  again and the step runs at ``PROBE_WIDTH`` (a probe), and the step after it chooses again on that evidence: a
+  drafter switched off by hard pages gets evidence again when easy pages follow, for about ``PROBE_BUDGET`` of the
+  time.
 Drafting then never makes a batch slower than plain decoding by more than what those few steps cost.
 """
 
@@ -205,8 +206,10 @@ class StepWidth:
         """A step ran: its width, its wall time (None: not a measure of cost, e.g. it captured graphs), the tokens it
         committed over its ``n_rows`` rows. The first time of each (rows, prefix, width, block) is dropped."""
         cell = (rows, prefix)
-        if not self._measuring:
-            self._plain_run = self._plain_run + 1 if width == 1 or self._probing else 0
+        if self._probing:  # the next step drafts and chooses again, on the probe's evidence
+            self._plain_run = SKIP_AFTER - 1
+        elif not self._measuring:
+            self._plain_run = self._plain_run + 1 if width == 1 else 0
         self._measuring = False
         steps, spent = self._since_probe
         self._since_probe = (0, 0.0) if self._probing else (steps + 1, spent + (seconds or 0.0))
