@@ -16,7 +16,6 @@ import torch
 
 import engine.batch.acceptance
 from engine.batch.engine import BatchEngine
-from engine.batch.step_width import StepWidth, expected_tokens
 from engine.drafters.suffix_match import ReplayDrafter
 from engine.kernels.step_graphs import GraphCaptureError, StepGraphs, cuda_graphs_available
 from engine.model.kv_slots import PREFIX_BUCKETS, bucket, pow2_buckets
@@ -95,8 +94,9 @@ def test_batches_equal_official_for_every_chunk(models, official, window):
     for how in ("right", "half", "wrong"):
         results = decode_all(loaded, expected, "lossless", 3, drafts=how, name=window)
         assert [r.output_ids for r in results] == expected, how
-        taus = [r.stats["tau"] for r in results]
-        assert (min(taus) > 8) if how == "right" else (max(taus) == 0 if how == "wrong" else 0 < max(taus) < 8)
+        taus = [r.stats["tau"] for r in results]  # right drafts: long accepted runs, once the width choice measured
+        # plain and climbed from narrow widths (a 50-token chunk spends a few rounds on that)
+        assert (min(taus) > 4) if how == "right" else (max(taus) == 0 if how == "wrong" else 0 < max(taus) < 8)
 
 
 def test_rule_fires_inside_batches_and_is_followed(models, official, monkeypatch):
@@ -170,25 +170,6 @@ def test_out_of_memory_sends_rows_back_and_loses_nothing(models, official, monke
     assert engine.row_limit == 2 and max(calls[5:]) <= 2
 
 
-def test_step_width_follows_acceptance_and_cost():
-    chooser = StepWidth([1, 2, 4, 8, 16, 17])
-    assert expected_tokens([1.0] * 4, 4) == 5 and expected_tokens([0.0] * 16, 16) == 1
-    flat = lambda p: [p] * 16  # noqa: E731 - every position accepted with chance p
-    assert chooser.choose(8, [flat(0.9)] * 8, block=False) == 17  # nothing measured: every width costs the same
-    for width, seconds in ((1, 0.010), (17, 0.040), (4, 0.012)):
-        chooser.observe(8, width, False, 10.0)  # the first step of a width (capture, compile): dropped
-        chooser.observe(8, width, False, seconds)
-    assert chooser.choose(8, [flat(0.02)] * 8, block=False) == 1  # bad drafts, wide steps cost more: plain
-    assert chooser.choose(8, [flat(0.99)] * 8, block=False) == 17  # good drafts pay for the width
-    assert chooser.choose(8, [[0.9, 0.8, 0.6, 0.4] + [0.05] * 12] * 8, block=False) == 4
-    chooser.record("block", proposed=8, accepted=3)
-    chooser.record("block", proposed=8, accepted=8)
-    prior = chooser.accept_at("block", [], [], 8)
-    assert prior[0] == pytest.approx(3 / 4) and prior[4] == pytest.approx(2 / 4)  # (accepted + 1) / (rounds + 2)
-    own = chooser.accept_at("block", [10, 10], [10, 10], 2)  # a row's own record weighs in
-    assert own[0] > prior[0]
-
-
 def test_the_block_drafter_drafts_for_every_row_and_stays_exact(models, official):
     from engine.drafters.block import BlockDrafterConfig, BlockDrafterNet
 
@@ -242,7 +223,7 @@ def test_invariant_kernel_pieces_match_torch():
 @pytest.mark.parametrize("option", [dict(moe="gather"), dict(moe="dense"), dict(moe="mixed"), dict(attn="sdpa"),
                                     dict(attn="matmul"), dict(linear="bmv")], ids=lambda o: "-".join(o.values()))
 def test_other_torch_implementations_equal_official(models, official, option):
-    """The step's other routed-expert, attention and projection implementations (`engine.model.forward`), plain and with
+    """The step's other routed-expert, attention and projection implementations (`engine.forward`), plain and with
     drafts half right: every chunk of a batch still equals official."""
     loaded = models[8]
     expected = [official(8, i) for i in range(len(CHUNKS))]
@@ -332,11 +313,8 @@ def test_a_failed_graph_capture_falls_back_to_eager_steps_and_loses_nothing(mode
         def __init__(self):
             self.tried, self.graphs = [], {}
 
-        def capture_all(self, keys):
-            StepGraphs.capture_all(self, keys)  # the real loop over this stand-in's capture
-
-        def has(self, key):
-            return False
+        def ready(self, key):
+            return True  # capture now
 
         def capture(self, key):
             self.tried.append(key)
@@ -446,7 +424,8 @@ def test_a_chunk_that_does_not_fit_alone_comes_back_with_its_error(models, offic
     real = decoder.engine.forward.step_body
 
     def alone_too_big(n, w, prefix_bucket):
-        if decoder.engine.active == 1 and decoder.engine.rows[0] is not None and decoder.engine.rows[0].request.key == 1:
+        row = decoder.engine.rows[0]
+        if decoder.engine.active == 1 and row is not None and row.request.key == 1:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real(n, w, prefix_bucket)
 

@@ -388,8 +388,9 @@ def test_train_drafter_decodes_with_the_init_drafter_and_live_checks_after_a_war
     assert (ev["plain_s"], ev["block_s"], ev["speedup_vs_plain"]) == (6.0, 4.0, 1.5)  # two chunks, each alone
     assert (ev["plain_tok_s"], ev["block_tok_s"]) == (round(100 / 6.0, 1), 100 / 4.0)  # tokens a second
     # the timed chunks verify block drafts only while the width policy expects them to pay, and after the warm-up it
-    # knows this barely trained drafter's record: a step-time matter on a busy machine. Its positions: none or k_max.
-    assert len(ev["acceptance_by_position"]) in (0, 4) and any(w.endswith("+block") for w in ev["ms_step_by_width"])
+    # knows this barely trained drafter's record: a step-time matter on a busy machine. Its positions: none, those of
+    # the narrower widths it climbs through or probes with, or k_max.
+    assert len(ev["acceptance_by_position"]) <= 4 and any(w.endswith("+block") for w in ev["ms_step_by_width"])
     assert main([*common, "--eval-only", "--init", str(second), "--eval-pages", "3", "--eval-batch",
                  "--no-eval-warmup", "--json", str(record_path)]) == 0
     ev = json.loads(record_path.read_text())["eval"]

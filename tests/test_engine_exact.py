@@ -165,7 +165,7 @@ def test_decode_returns_chunk_output_with_stats(models, official):
     assert stats["verify_rounds"] + stats["single_steps"] + 1 == stats["forwards"] < len(expected) // 4
     assert stats["drafters"]["replay"]["acceptance"] == 1.0 and set(stats["drafters"]) == {"reference", "replay",
                                                                                            "markup", "ngram"}
-    assert stats["tau"] == stats["accepted_tokens"] / stats["verify_rounds"] > 4
+    assert stats["tau"] == round(stats["accepted_tokens"] / stats["verify_rounds"], 4) > 4
     steps = stats["draft_s"] + stats["verify_s"] + stats["single_s"]
     assert stats["prefill_s"] > 0 and 0 < stats["verify_s"] <= steps <= stats["wall_seconds"] + 1e-3  # parts of it
     assert stats["batch_rows"] == 1.0

@@ -1,19 +1,33 @@
-"""Admission into the batched engine: while rows are free and chunks wait, their pages go through the vision tower
-together (`engine.model.vision`), chunks of one prefix length are prefilled together (at most ``PREFILL_TOKENS`` prefix
-tokens a forward) and each takes its first token in its row. Out of memory: the chunks not yet admitted go back to
-the front of the queue, and the batch shrinks to the rows in flight."""
+"""Admission into the batched engine, between decode steps, in bounded pieces.
+
+While rows are free and chunks wait, chunks are taken in queue order in groups of at most ``admit_pages`` pages
+(at least one chunk): a group's pixels go to the device, its pages through the vision tower together
+(`engine.model.vision`), its chunks of one prefix length are prefilled together (at most ``PREFILL_TOKENS`` prefix
+tokens a forward) and each takes its first token in its row. One turn admits at most ``admit_tokens`` prefix tokens
+(at least one chunk), then the step runs: the rows already decoding wait for one bounded piece of admission, never
+for the whole queue's vision and prefills, and what admission holds on the device (pixels, vision activations,
+prefill activations) stays bounded however many rows are free.
+
+Out of memory while admitting a group: its chunks not yet in a row go back to the front of the queue (nothing is
+lost, none is produced twice). A group of several chunks: ``admit_pages`` halves and the next turn tries again. One
+chunk beside rows in flight: the batch is limited to the rows in flight (`BatchEngine._shrink`). One chunk alone in
+the batch: the error is raised, the chunk stays at the front of the queue (the caller decides, e.g. splits it).
+"""
 
 from __future__ import annotations
 
 import time
 
 import torch
+from loguru import logger
 
 from engine.batch.requests import ChunkResult
 from engine.batch.rows import Row
 from engine.model.vision import embed_chunks
 
 PREFILL_TOKENS = 16384  # prefix tokens prefilled in one forward at most (chunks of one prefix length together)
+ADMIT_PAGES = 64  # pages a group brings to the device at most (pixels, vision features)
+ADMIT_TOKENS = 8192  # prefix tokens one turn admits at most before the next decode step (at least one chunk)
 
 
 def prefill_groups(lengths: list[int], budget: int) -> list[list[int]]:
@@ -26,42 +40,93 @@ def prefill_groups(lengths: list[int], budget: int) -> list[list[int]]:
     return groups
 
 
+def _prefix_len(request) -> int:
+    return len(request.inputs["input_ids"][0])
+
+
+def next_group(pending, free: int, pages: int, tokens: int, first: bool = True) -> list:
+    """The first waiting chunks the next group takes: at most ``free`` chunks, ``pages`` pages and ``tokens`` prefix
+    tokens; at least one chunk when it is the turn's ``first`` group."""
+    count = used_pages = used_tokens = 0
+    for request in pending:
+        if count >= free:
+            break
+        if (count or not first) and (used_pages + request.n_pages > pages or
+                                     used_tokens + _prefix_len(request) > tokens):
+            break
+        count, used_pages, used_tokens = count + 1, used_pages + request.n_pages, used_tokens + _prefix_len(request)
+    return [pending[i] for i in range(count)]
+
+
 def admit(engine) -> list[ChunkResult]:
-    """Admit what fits into ``engine`` (a `engine.batch.engine.BatchEngine`); the chunks that ended at once."""
-    free = [i for i in range(engine.row_limit) if engine.rows[i] is None]
-    take = [engine.pending.popleft() for _ in range(min(len(free), len(engine.pending)))]
-    if not take:
-        return []
+    """Admit into ``engine`` (a `engine.batch.engine.BatchEngine`) what one turn may; the chunks that ended at once."""
+    finished: list[ChunkResult] = []
+    budget = engine.admit_tokens
+    while engine.pending and budget > 0:
+        free = [i for i in range(engine.row_limit) if engine.rows[i] is None]
+        if not free:
+            break
+        group = next_group(engine.pending, len(free), engine.admit_pages, budget, budget == engine.admit_tokens)
+        if not group:
+            break
+        if _make_room(engine, max(_prefix_len(r) for r in group)):
+            continue  # the cache holds fewer rows now: the free rows again
+        for _ in group:
+            engine.pending.popleft()
+        try:
+            finished += _admit_group(engine, group, free)
+        except torch.OutOfMemoryError as exc:
+            admitted = {id(r.request) for r in engine.rows if r is not None}
+            back = [r for r in group if id(r) not in admitted]
+            engine.pending.extendleft(reversed(back))
+            if len(back) > 1:
+                engine.admit_pages = max(1, sum(r.n_pages for r in back) // 2)
+                logger.warning("out of memory while admitting {} chunks: {} pages a group from now on",
+                               len(back), engine.admit_pages)
+                return finished
+            if not engine.active:
+                raise
+            engine._shrink(engine.active, f"out of memory while admitting ({type(exc).__name__})")
+            return finished
+        budget -= sum(_prefix_len(r) for r in group)
+    return finished
+
+
+def _make_room(engine, prefix_len: int) -> bool:
+    """Grow the rows' prefix region for ``prefix_len`` tokens; True when the cache then holds fewer rows than the
+    batch had (out of memory: `engine.model.kv_slots`), whose chunks went back to the queue."""
+    rows = engine.kv.rows
+    if engine.kv.ensure_capacity(prefix_len) and engine.graphs is not None:
+        engine.graphs.clear()  # captured over the old buffers
+    if engine.kv.rows == rows:
+        return False
+    engine.fit_rows()
+    return True
+
+
+def _admit_group(engine, take: list, free: list[int]) -> list[ChunkResult]:
     t0 = time.perf_counter()
-    try:
-        if engine.kv.ensure_capacity(max(len(r.inputs["input_ids"][0]) for r in take)) and engine.graphs is not None:
-            engine.graphs.clear()  # captured over the old buffers
-        inputs = [r.inputs.to(engine.loaded.device, dtype=engine.loaded.dtype) for r in take]
-        embeds = embed_chunks(engine.loaded.model, engine.loaded.image_token_id, inputs, engine.vision_group,
-                              engine.pad_vision)
-        vision_s = (time.perf_counter() - t0) / len(take)
-        engine.timing["vision_s"] += vision_s * len(take)
-        finished = []
-        for group in prefill_groups([e.shape[1] for e in embeds], PREFILL_TOKENS):
-            t1 = time.perf_counter()
-            rows = [free[j] for j in group]
-            logits, features = engine.forward.prefill(rows, torch.cat([embeds[j] for j in group]))
-            engine.timing["prefill_s"] += time.perf_counter() - t1
-            share = vision_s + (time.perf_counter() - t1) / len(group)
-            for k, j in enumerate(group):
-                row = Row(take[j], rows[k], engine.rules[take[j].kind], engine._drafters_for(take[j], rows[k]),
-                          engine.k_max)
-                if engine.block is not None:
-                    engine.block.start(rows[k], features[k])
-                row.start(logits[k], prefill_s=share, eos=engine.eos)
-                engine.rows[rows[k]] = row
-                if row.done(engine.eos):
-                    finished.append(engine._finish(row))
-    except torch.OutOfMemoryError as exc:
-        admitted = {id(r.request) for r in engine.rows if r is not None}
-        engine.pending.extendleft(reversed([r for r in take if id(r) not in admitted]))
-        if not engine.active:
-            raise
-        engine._shrink(engine.active, exc)
-        return []
+    engine.admission_hook(take)
+    inputs = [r.inputs.to(engine.loaded.device, dtype=engine.loaded.dtype) for r in take]
+    embeds = embed_chunks(engine.loaded.model, engine.loaded.image_token_id, inputs, engine.vision_group,
+                          engine.pad_vision)
+    del inputs
+    vision_s = (time.perf_counter() - t0) / len(take)
+    engine.timing["vision_s"] += vision_s * len(take)
+    finished = []
+    for group in prefill_groups([e.shape[1] for e in embeds], PREFILL_TOKENS):
+        t1 = time.perf_counter()
+        rows = [free[j] for j in group]
+        logits, features = engine.forward.prefill(rows, torch.cat([embeds[j] for j in group]))
+        engine.timing["prefill_s"] += time.perf_counter() - t1
+        share = vision_s + (time.perf_counter() - t1) / len(group)
+        for k, j in enumerate(group):
+            row = Row(take[j], rows[k], engine.rules[take[j].kind], engine._drafters_for(take[j], rows[k]),
+                      engine.k_max)
+            if engine.block is not None:
+                engine.block.start(rows[k], features[k])
+            row.start(logits[k], prefill_s=share, eos=engine.eos)
+            engine.rows[rows[k]] = row
+            if row.done(engine.eos):
+                finished.append(engine._finish(row))
     return finished

@@ -2,11 +2,14 @@
 
 ``submit`` queues chunks (`ChunkRequest`, made by ``prepare``: the processor runs on the caller's thread);
 ``step`` runs the one decode loop's next turn and returns the chunks that ended in it:
-1. admission: while rows are free and chunks wait, their pages go through the vision tower together
-   (`engine.model.vision`), each is prefilled into its row (`engine.model.forward`) and takes its first token;
+1. admission (`engine.batch.admission`): while rows are free and chunks wait, a bounded piece of the queue (at
+   most ``admit_tokens`` prefix tokens a turn, in groups of at most ``admit_pages`` pages) goes through the vision
+   tower together (`engine.model.vision`), each chunk is prefilled into its row (`engine.model.forward`) and takes
+   its first token; the rows already decoding wait for that piece only;
 2. each row's draft policy proposes its own draft (reference, replay, markup, ngram on the host; the block
    drafter for all rows in one device forward); `engine.batch.step_width` picks the step width from the rows'
-   acceptance and the measured cost of each width at this batch size (plain decoding is width 1);
+   acceptance and the measured cost of each width at this batch size and prefix (plain decoding is width 1, taken
+   whenever a wider step does not promise more tokens per second);
 3. one forward runs every row's ``[last token, drafts, padding]`` (a CUDA graph per rows x width x prefix bucket
    on a GPU), one copy brings each token's greedy choice to the host;
 4. each row applies the one acceptance rule (`engine.batch.acceptance`): it commits what the target itself chose, so
@@ -14,8 +17,9 @@
    ends, its results leave at once and its row is free for the next chunk.
 Batch 1 is the same code; the CPU runs it without graphs.
 
-Out of memory while admitting or stepping: the chunks of the highest rows go back to the front of the queue
-(decoded again from their start: nothing is lost, the tokens are the same) and the batch stays smaller from then on.
+Out of memory while stepping: the chunks of the highest rows go back to the front of the queue (decoded again from
+their start: nothing is lost, the tokens are the same) and the batch stays smaller from then on; while admitting:
+see `engine.batch.admission`.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch
 from loguru import logger
 
 from engine.batch.acceptance import accept
-from engine.batch.admission import admit
+from engine.batch.admission import ADMIT_PAGES, ADMIT_TOKENS, admit
 from engine.batch.requests import ChunkRequest, ChunkResult
 from engine.batch.rows import DRAFTERS, MODES, Row, make_drafters
 from engine.batch.step_width import StepWidth
@@ -41,8 +45,6 @@ from engine.model.load import LoadedModel
 from engine.ngram_rule import official_rule
 from engine.official import chunk_inputs
 
-SKIP_AFTER, SKIP_EVERY = 8, 8  # `BatchEngine._drafting_pays`
-
 
 class BatchEngine:
     """mode: plain | lossless | fast (fast_threshold). max_batch: rows. k_max: most drafted tokens per row and step.
@@ -51,14 +53,17 @@ class BatchEngine:
     prefix_capacity: prefix tokens the rows hold from the start (grown on demand). vision_group: pages per vision
     batch; padded to it with batch-invariant kernels. drafter_factory(request) -> host drafters, replacing the
     named ones (benchmarks feed drafts of a controlled quality). adaptive_width False: every step runs the widest
-    draft its rows want (no `engine.batch.step_width` choice), for tests and for measuring the draft policy alone."""
+    draft its rows want (no `engine.batch.step_width` choice), for tests and for measuring the draft policy alone.
+    admit_pages, admit_tokens: the bounds of one admission group and of one turn's admission
+    (`engine.batch.admission`). admission_hook(requests): called before each admission group reaches the device
+    (tests inject an out-of-memory error there)."""
 
     def __init__(self, loaded: LoadedModel, mode: str = "lossless", *, max_batch: int = 1, k_max: int = 16,
                  drafters: tuple[str, ...] = DRAFTERS, fast_threshold: float = 0.3, block_net=None,
                  block_beside_copies: bool = False, block_sits_out: bool = True, block_full_k: bool = False,
                  graphs: str | bool = "auto", kernels: str = "torch", moe: str = "auto", attn: str = "auto",
                  linear: str = "auto", prefix_capacity: int = 0, vision_group: int = 8, drafter_factory=None,
-                 adaptive_width: bool = True):
+                 adaptive_width: bool = True, admit_pages: int = ADMIT_PAGES, admit_tokens: int = ADMIT_TOKENS):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         if set(drafters) - set(DRAFTERS) or k_max < 1 or max_batch < 1 or not 0.0 < fast_threshold <= 1.0:
@@ -72,6 +77,8 @@ class BatchEngine:
         self.block_beside_copies, self.block_sits_out, self.block_full_k = \
             block_beside_copies, block_sits_out, block_full_k
         self.drafter_factory, self.adaptive_width = drafter_factory, adaptive_width
+        self.admit_pages, self.admit_tokens = max(1, admit_pages), max(1, admit_tokens)
+        self.admission_hook = lambda requests: None
         self.rules = {kind: official_rule(loaded, kind) for kind in ("single", "multi")}
         self.eos = loaded.eos_token_id
         self.strict = frozenset(i for i in (self.eos, loaded.page_sep_id) if i is not None)
@@ -98,8 +105,9 @@ class BatchEngine:
         self.rows: list[Row | None] = [None] * max_batch
         self.pending: deque[ChunkRequest] = deque()
         self.steps = 0
-        self._plain_streak = self._since_plan = 0
+        self.width_steps: dict[int, int] = {}  # steps run at each width
         self.timing = {"vision_s": 0.0, "prefill_s": 0.0, "steps_s": 0.0}  # wall time of the engine's work
+        self.fit_rows()
 
     def prepare(self, images: list, max_new_tokens: int, key: Any = None, reference_texts: list[str] | None = None,
                 replay_ids: list[int] | None = None) -> ChunkRequest:
@@ -143,8 +151,16 @@ class BatchEngine:
         except torch.OutOfMemoryError as exc:
             if self.active <= 1:
                 raise  # one chunk alone does not fit: the caller decides (e.g. split it)
-            self._shrink(max(1, self.active // 2), exc)
+            self._shrink(max(1, self.active // 2), f"out of memory in a step ({type(exc).__name__})")
         return finished
+
+    def fit_rows(self) -> None:
+        """Keep the batch within the rows the key/value cache holds (fewer than ``max_batch`` when memory was short,
+        `engine.model.kv_slots`): the rows above go back to the queue."""
+        if self.kv.rows < self.row_limit:
+            self._shrink(self.kv.rows, f"the key/value cache holds {self.kv.rows} rows of {self.kv.capacity} "
+                                       f"prefix tokens")
+        self.row_buckets = pow2_buckets(self.kv.rows)
 
     @torch.inference_mode()
     def drop_rows(self) -> list[ChunkRequest]:
@@ -165,16 +181,16 @@ class BatchEngine:
         t0 = time.perf_counter()
         live = [r for r in self.rows if r is not None]
         n = bucket(live[-1].index + 1, self.row_buckets)
-        drafting = self.mode != "plain" and self._drafting_pays()
+        prefix_bucket = bucket(max(r.prefix_len for r in live), PREFIX_BUCKETS)
+        drafting = self.mode != "plain" and (not self.adaptive_width or self.step_width.drafting(n, prefix_bucket))
         plans = [r.plan() if drafting else (None, [], 0) for r in live]
         w = 1
         if drafting and not self.adaptive_width:
             w = bucket(1 + max(len(d) or k for _, d, k in plans), self.widths)
         elif drafting:
             wants = [self._accept_at(row, name, len(d) or k) for row, (name, d, k) in zip(live, plans)]
-            w = self.step_width.choose(n, wants, any(k for _, _, k in plans))
-            self._plain_streak = self._plain_streak + 1 if w == 1 else 0
-        # every width's columns are staged (a graph captured now for a wider step writes only uncommitted positions)
+            w = self.step_width.choose(n, prefix_bucket, wants, any(k for _, _, k in plans))
+        # every width's columns are staged (positions past the step's width are uncommitted ones)
         index = np.fromiter((r.index for r in live), dtype=np.int64, count=len(live))
         ids, pos, span = self.kv.host_ids, self.kv.host_pos, np.arange(self.kv.max_width)
         ids[:n] = 0
@@ -195,7 +211,6 @@ class BatchEngine:
             width = min(w - 1, self.block.block)
             mask = torch.as_tensor(block_rows, device=out.device)[:, None]
             self.kv.ids[:n, 1 : 1 + width] = torch.where(mask, out[:, :width], self.kv.ids[:n, 1 : 1 + width])
-        prefix_bucket = bucket(max(r.prefix_len for r in live), PREFIX_BUCKETS)
         captures = self._captures()
         summary = self._run(n, w, min(prefix_bucket, self.kv.capacity))
         # while the device runs the step: each row's bans after each prefix of its host draft (the acceptance rule's
@@ -220,27 +235,19 @@ class BatchEngine:
             self.block.feed(counts, self.forward.step_features(n, w))
         seconds = time.perf_counter() - t0
         self.timing["steps_s"] += seconds
-        if self._captures() == captures:  # a step that captured graphs (or compiled kernels) says nothing of cost
-            self.step_width.observe(n, w, bool(block_rows.any()), seconds)
+        timed = seconds if self._captures() == captures else None  # a step that captured graphs says nothing of cost
+        self.step_width.observe(n, prefix_bucket, w, bool(block_rows.any()), timed, sum(counts.values()), len(live))
         share, draft_share = seconds / len(live), (t_draft - t0) / len(live)
         for row, k in zip(live, ks):
             row.account(share, draft_share, bool(k), len(live))
             if row.done(self.eos):
                 finished.append(self._finish(row))
         self.steps += 1
+        self.width_steps[w] = self.width_steps.get(w, 0) + 1
         return finished
 
     def _logits_row(self, n: int, w: int, row: int, i: int) -> torch.Tensor:
         return self.forward.step_logits(n, w)[row, i].float()
-
-    def _drafting_pays(self) -> bool:
-        """Draft this step? After ``SKIP_AFTER`` steps in a row at width 1 (drafts that do not pay at this load), the
-        rows draft only every ``SKIP_EVERY``-th step, to look again: the host's drafting is not spent for nothing."""
-        self._since_plan += 1
-        if self._plain_streak < SKIP_AFTER or self._since_plan >= SKIP_EVERY:
-            self._since_plan = 0
-            return True
-        return False
 
     def _captures(self) -> int:
         return sum(g.captured for g in (self.graphs, self.block and self.block.graphs) if g is not None)
@@ -248,9 +255,8 @@ class BatchEngine:
     def _run(self, n: int, w: int, prefix_bucket: int) -> torch.Tensor:
         if self.graphs is not None:
             try:
-                if not self.graphs.has((n, w, prefix_bucket)):  # every width of these rows at once
-                    self.graphs.capture_all([(n, width, prefix_bucket) for width in self.widths])
-                return self.graphs.replay((n, w, prefix_bucket))
+                if self.graphs.ready((n, w, prefix_bucket)):  # else: this shape runs eagerly until captured
+                    return self.graphs.replay((n, w, prefix_bucket))
             except GraphCaptureError as exc:
                 logger.opt(exception=exc).warning("CUDA graphs off, steps run eagerly from now on: {}", exc)
                 self.graphs = None
@@ -281,7 +287,7 @@ class BatchEngine:
         return ChunkResult(row.request, row.output, row.logprobs, "eos" if row.output[-1] == self.eos else "length",
                            time.perf_counter() - row.started + row.times["prefill_s"], stats)
 
-    def _shrink(self, limit: int, exc: BaseException) -> None:
+    def _shrink(self, limit: int, reason: str) -> None:
         """Out of memory: the rows at ``limit`` and above go back to the front of the queue (from their start)."""
         back = [r for r in self.rows[limit:] if r is not None]
         for row in back:
@@ -293,5 +299,5 @@ class BatchEngine:
             self.graphs.clear()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        logger.warning("out of memory ({}): batch limited to {} rows; {} chunk(s) queued again from their start",
-                       type(exc).__name__, limit, len(back))
+        logger.warning("{}: batch limited to {} rows; {} chunk(s) queued again from their start", reason, limit,
+                       len(back))

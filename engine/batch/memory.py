@@ -2,9 +2,16 @@
 
 A row costs its key/value cache (every layer: the prefix region plus the output ring, keys and values), its share
 of the step's logits buffer (``max_width`` rows of the vocabulary) and the step's activations (hidden states,
-MoE routing copies, fp32 logits for the summary). The rows that fit in the free GPU memory, after a reserve for
-the vision tower and a prefill, capped at ``MAX_ROWS``. On the CPU: ``CPU_ROWS`` (batching amortises the weights'
-reads there too, and more rows only delay each chunk).
+MoE routing copies, fp32 logits for the summary). Admission runs in bounded groups (`engine.batch.admission`: at
+most ``ADMIT_PAGES`` pages and ``PREFILL_TOKENS`` prefix tokens a forward), so what it needs on top of the rows is
+bounded too: a reserve for one group's pixels, the vision tower over a group of pages and one prefill's
+activations (`admission_bytes`). The rows that fit in the free GPU memory after that reserve, with ``USABLE`` of
+it (allocator slack), capped at ``MAX_ROWS``. On the CPU: ``CPU_ROWS`` (batching amortises the weights' reads
+there too, and more rows only delay each chunk).
+
+Sized for the longest chunk (``prefix_len``: e.g. 16 pages), the batch fits whatever chunks come; should the
+estimate still be short, out of memory shrinks the admission group or the batch and loses nothing
+(`engine.batch.admission`, `BatchEngine._shrink`).
 """
 
 from __future__ import annotations
@@ -14,9 +21,11 @@ import math
 import torch
 from loguru import logger
 
+from engine.batch.admission import ADMIT_PAGES, PREFILL_TOKENS
+
 MAX_ROWS = 256
 CPU_ROWS = 4
-RESERVE_BYTES = 3 * 2**30  # vision tower over a group of pages, a prefill's activations, allocator slack
+VISION_BYTES = 2 * 2**30  # the vision tower over one group of pages (SAM at 1024 pixels, CLIP), allocator slack
 USABLE = 0.85  # of the free memory once the reserve is taken
 
 
@@ -32,13 +41,26 @@ def row_bytes(loaded, prefix_len: int, k_max: int) -> int:
     return cache + logits + activations
 
 
+def admission_bytes(loaded, image_size: int = 1024) -> int:
+    """What one admission group holds on the device at its peak: its pixels (fp32 as the processor made them, then
+    in the model's dtype), the vision tower's working memory, one prefill of ``PREFILL_TOKENS`` tokens (hidden
+    states, attention projections, the MoE's routed copies, each a few times over) and the group's embeddings."""
+    c = loaded.model.config.text_config
+    item = torch.tensor([], dtype=loaded.dtype).element_size()
+    pixels = ADMIT_PAGES * 3 * image_size * image_size * (4 + item)
+    per_token = (16 * c.hidden_size + 4 * c.num_experts_per_tok * c.moe_intermediate_size
+                 + 3 * c.intermediate_size) * max(item, 4)
+    return pixels + VISION_BYTES + PREFILL_TOKENS * per_token
+
+
 def auto_batch(loaded, prefix_len: int, k_max: int) -> int:
     """Rows for chunks of up to ``prefix_len`` prefix tokens (see the module docstring)."""
     if loaded.device.type != "cuda":
         return CPU_ROWS
     free, _ = torch.cuda.mem_get_info(loaded.device)
-    per_row = row_bytes(loaded, prefix_len, k_max)
-    rows = int(max(0, free - RESERVE_BYTES) * USABLE // per_row)
+    per_row, reserve = row_bytes(loaded, prefix_len, k_max), admission_bytes(loaded)
+    rows = int(max(0, free - reserve) * USABLE // per_row)
     rows = max(1, min(MAX_ROWS, rows))
-    logger.info("max_batch auto: {} rows ({:.0f} MiB each, {:.1f} GiB free)", rows, per_row / 2**20, free / 2**30)
+    logger.info("max_batch auto: {} rows of {} prefix tokens ({:.0f} MiB each, {:.1f} GiB kept for admission, "
+                "{:.1f} GiB free)", rows, prefix_len, per_row / 2**20, reserve / 2**30, free / 2**30)
     return rows

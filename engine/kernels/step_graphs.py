@@ -1,8 +1,12 @@
 """CUDA graphs of static-shape bodies, one per key (e.g. rows x width x prefix bucket of a decode step); GPU only.
 
-`StepGraphs(body)` captures ``body(key)`` on first need and replays it after. The body reads and writes only
-tensors whose addresses never change (static inputs and buffers), so a replay recomputes it on whatever the host
-staged; its outputs are the graph's static outputs, overwritten by each replay of that graph.
+`StepGraphs(body)` captures ``body(key)`` lazily and replays it after: ``ready(key)`` counts a use of the key and
+says whether to replay it (capturing it first when needed) or to run the body eagerly. A key is captured at its
+``capture_after``-th use, one key at a time: a shape used once (a batch filling up, the last rows of a run) never
+costs a capture, and no step waits for the captures of shapes it does not use, so start-up is not a wall of
+captures before the first token. The body reads and writes only tensors whose addresses never change (static
+inputs and buffers), so a replay recomputes it on whatever the host staged; its outputs are the graph's static
+outputs, overwritten by each replay of that graph.
 
 Graphs are grouped by ``key[-1]`` (the prefix or memory bucket): those of the ``max_groups`` most recently used
 groups are kept, the others dropped. All graphs share one memory pool. That is safe here because replays run one
@@ -24,6 +28,7 @@ from loguru import logger
 
 WARMUP_RUNS = 2  # eager runs on the capture stream first (cuBLAS handles, lazy inits, autotuning)
 MAX_GROUPS = 4
+CAPTURE_AFTER = 2  # a key's graph is captured at this use of the key (the uses before run eagerly)
 
 
 class GraphCaptureError(RuntimeError):
@@ -40,7 +45,8 @@ def cuda_graphs_available() -> tuple[bool, str]:
 
 
 class StepGraphs:
-    def __init__(self, body: Callable[[tuple], object], device: torch.device | str, max_groups: int = MAX_GROUPS):
+    def __init__(self, body: Callable[[tuple], object], device: torch.device | str, max_groups: int = MAX_GROUPS,
+                 capture_after: int = CAPTURE_AFTER):
         ok, why = cuda_graphs_available()
         if not ok:
             raise GraphCaptureError(f"CUDA graphs unavailable: {why}")
@@ -49,13 +55,20 @@ class StepGraphs:
         self.stream = torch.cuda.Stream(device=self.device)
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
-        self.max_groups = max_groups
+        self.max_groups, self.capture_after = max_groups, max(1, capture_after)
+        self.uses: dict[tuple, int] = {}
         self._recent: list[Hashable] = []  # groups, least recently used first
         self.captured = 0  # captures so far (a caller can tell whether a call captured)
         self.capture_s = 0.0  # wall time spent capturing (warm-up runs, first kernel compilations included)
 
     def has(self, key: tuple) -> bool:
         return key in self.graphs
+
+    def ready(self, key: tuple) -> bool:
+        """Count a use of ``key``: True to ``replay`` it (captured already, or to be captured now), False to run the
+        body eagerly this time."""
+        uses = self.uses[key] = self.uses.get(key, 0) + 1
+        return key in self.graphs or uses >= self.capture_after
 
     def capture(self, key: tuple) -> None:
         t0 = time.perf_counter()
@@ -78,15 +91,8 @@ class StepGraphs:
         self.graphs[key] = (graph, outputs)
         self.captured += 1
         self.capture_s += time.perf_counter() - t0
-
-    def capture_all(self, keys: list[tuple]) -> None:
-        """Capture every key not captured yet (the widths of one batch and prefix bucket); logged at debug level."""
-        before, count = self.capture_s, self.captured
-        for key in keys:
-            if key not in self.graphs:
-                self.capture(key)
-        logger.debug("captured {} step graphs (key {} ..) in {:.2f}s; {} graphs, {:.1f}s in all",
-                     self.captured - count, keys[0], self.capture_s - before, self.captured, self.capture_s)
+        logger.debug("captured step graph {} in {:.2f}s; {} graphs, {:.1f}s in all", key, time.perf_counter() - t0,
+                     self.captured, self.capture_s)
 
     def replay(self, key: tuple):
         if key not in self.graphs:

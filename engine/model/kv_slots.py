@@ -21,6 +21,10 @@ alike, only the first accepted ones are committed):
    not depend on the other rows of the batch: exactly in fp32, bitwise in bf16 with batch-invariant kernels.
 4. Shapes never change while rows are in flight, except when a longer prefix than ``P`` is admitted: then every
    buffer grows (rows copied) and captured graphs are dropped. Memory is constant in output length.
+
+Memory: the key/value buffers hold ``rows <= max_batch`` rows. When ``max_batch`` rows of that capacity do not fit
+(out of memory at construction or when the prefix region grows), ``rows`` halves until they do (one row at least,
+else the error stands); the caller keeps its rows below ``rows`` (the rows above lose their cache).
 """
 
 from __future__ import annotations
@@ -70,20 +74,38 @@ class KVSlots:
         self.host_ids, self.host_pos = self._host.numpy()[0], self._host.numpy()[1]
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.capacity = 0
+        self.capacity, self.rows = 0, max_batch
         self._allocate(prefix_capacity)
 
     def _allocate(self, capacity: int) -> None:
+        """Buffers of ``capacity`` prefix slots, the rows kept; as many rows as fit (see the module docstring)."""
+        while True:
+            try:
+                self._allocate_rows(capacity, self.rows)
+                return
+            except torch.OutOfMemoryError:
+                if self.rows == 1:
+                    raise
+                self.rows //= 2
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+
+    def _allocate_rows(self, capacity: int, rows: int) -> None:
         old = (self.keys, self.values, self.capacity)
-        shape = (self.max_batch, self.ring_size + capacity, self.num_kv_heads, self.head_dim)
+        shape = (rows, self.ring_size + capacity, self.num_kv_heads, self.head_dim)
         # zeros, not empty: masked slots still enter the attention products, and garbage could be NaN
         with torch.inference_mode():
-            self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-            self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-            for new, prev in zip([*self.keys, *self.values], [*old[0], *old[1]]):
-                new[:, : self.ring_size + old[2]].copy_(prev)
+            keys = [self.zeros(shape) for _ in range(self.num_layers)]
+            values = [self.zeros(shape) for _ in range(self.num_layers)]
+            for new, prev in zip([*keys, *values], [*old[0], *old[1]]):
+                kept = min(rows, prev.shape[0])
+                new[:kept, : self.ring_size + old[2]].copy_(prev[:kept])
             self.prefix_index = torch.arange(capacity, device=self.device)
-        self.capacity = capacity
+        self.keys, self.values, self.capacity = keys, values, capacity
+
+    def zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """One key or value buffer (a test can make it run out of memory)."""
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def ensure_capacity(self, prefix_len: int) -> bool:
         """Grow the prefix region to hold ``prefix_len`` tokens (rows kept); True when the buffers moved."""

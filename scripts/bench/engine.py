@@ -226,14 +226,19 @@ def run_generate(loaded, chunks, tokens: int, device: str, warm_tokens: int = 8)
 
 
 def run_engine(loaded, chunks, tokens: int, device: str, mode: str, kernels: str, drafts=None, k_max: int = 16,
-               vision_group: int = 8):
+               vision_group: int = 8, warm: bool = True, max_batch: int | None = None):
+    """One engine run over ``chunks`` (``max_batch`` rows, default one a chunk); ``warm``: a short run of the same
+    chunks first (graphs and kernels of these shapes), else the timed run pays its own captures and compilations.
+    Returns (its row of figures, output ids by chunk, log-probabilities by chunk, ends by chunk)."""
     from engine.batch.engine import BatchEngine
 
     factory = None if drafts is None else (lambda request: [PositionalReplay(drafts[request.key])])
-    engine = BatchEngine(loaded, mode, max_batch=len(chunks), kernels=kernels, k_max=k_max,
+    engine = BatchEngine(loaded, mode, max_batch=max_batch or len(chunks), kernels=kernels, k_max=k_max,
                          drafter_factory=factory, vision_group=vision_group)
-    warm = [engine.prepare(c, 8, key=i) for i, c in enumerate(chunks)]  # graphs and kernels of this shape
-    engine.run(warm)
+    if warm:
+        engine.run([engine.prepare(c, 8, key=i) for i, c in enumerate(chunks)])
+    capture_before = engine.graphs.capture_s if engine.graphs is not None else 0.0
+    width_before = dict(engine.width_steps)
     requests = [engine.prepare(c, tokens, key=i) for i, c in enumerate(chunks)]
     engine.timing = dict.fromkeys(engine.timing, 0.0)
     steps_before = engine.steps
@@ -243,10 +248,12 @@ def run_engine(loaded, chunks, tokens: int, device: str, mode: str, kernels: str
     t0 = time.perf_counter()
     for r in requests:
         engine.submit(r)
-    results = {}
+    results, ends, first_done = {}, {}, None
     while engine.busy:
         for res in engine.step():
             results[res.request.key] = res
+            ends[res.request.key] = ends.get(res.request.key, 0) + 1
+            first_done = first_done or time.perf_counter() - t0
     sync(device)
     seconds = time.perf_counter() - t0
     n = sum(len(r.output_ids) for r in results.values())
@@ -259,11 +266,21 @@ def run_engine(loaded, chunks, tokens: int, device: str, mode: str, kernels: str
            "tau": round(sum(r.stats["accepted_tokens"] for r in results.values()) / rounds, 3) if rounds else 0.0,
            "peak_gb": round(torch.cuda.max_memory_allocated() / 2**30, 3) if device.startswith("cuda") else None,
            "admit_s": round(engine.timing["vision_s"] + engine.timing["prefill_s"], 3),
+           "vision_s": round(engine.timing["vision_s"], 3), "prefill_s": round(engine.timing["prefill_s"], 3),
+           "first_chunk_done_s": round(first_done or 0.0, 3),
+           "capture_s": round(engine.graphs.capture_s - capture_before, 3) if engine.graphs is not None else 0.0,
+           "steps_by_width": {str(w): c - width_before.get(w, 0) for w, c in sorted(engine.width_steps.items())
+                              if c - width_before.get(w, 0)},
+           "probes": engine.step_width.probes, "calibration": round(engine.step_width.calibration, 3),
+           "rows": engine.max_batch, "row_limit": engine.row_limit, "cache_rows": engine.kv.rows,
+           "admit_pages": engine.admit_pages,
            "backend": "graphs" if engine.graphs is not None else "eager", "kernels": kernels}
     ids = {k: r.output_ids for k, r in results.items()}
     logprobs = {k: r.logprobs for k, r in results.items()}
     del engine
-    return row, ids, logprobs
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return row, ids, logprobs, ends
 
 
 def bench(loaded, pages: int, batch: int, args, log) -> dict:
@@ -288,8 +305,10 @@ def bench(loaded, pages: int, batch: int, args, log) -> dict:
         try:
             drafts = None if rate is None else {k: corrupt(v, rate / 100, vocab, seed=rate + 17 * k)
                                                 for k, v in plain_ids.items()}
-            row, ids, lps = run_engine(loaded, chunks, args.tokens, args.device, mode, kernels, drafts,
-                                       k_max=args.k_max, vision_group=args.vision_group)
+            if rate is not None and plain_ids is None:
+                raise RuntimeError("no plain run to draw the drafts from (it failed above)")
+            row, ids, lps, _ = run_engine(loaded, chunks, args.tokens, args.device, mode, kernels, drafts,
+                                          k_max=args.k_max, vision_group=args.vision_group)
             if name == "plain":
                 plain_ids, plain_lps = ids, lps
             else:
@@ -312,11 +331,11 @@ def bench(loaded, pages: int, batch: int, args, log) -> dict:
     if batch in args.invariance and plain_ids is not None and batch > 1:
         out["invariant"] = {}
         for kernels in [args.kernels] + (["torch"] if args.kernels != "torch" else []):
-            _, alone_ids, alone_lps = run_engine(loaded, chunks[:1], args.tokens, args.device, "plain", kernels)
+            _, alone_ids, alone_lps, _ = run_engine(loaded, chunks[:1], args.tokens, args.device, "plain", kernels)
             if kernels == args.kernels:
                 batch_ids, batch_lps = plain_ids, plain_lps
             else:
-                _, batch_ids, batch_lps = run_engine(loaded, chunks, args.tokens, args.device, "plain", kernels)
+                _, batch_ids, batch_lps, _ = run_engine(loaded, chunks, args.tokens, args.device, "plain", kernels)
             out["invariant"][kernels] = {"tokens_equal": alone_ids[0] == batch_ids[0],
                                          "logprobs_bitwise_equal": alone_lps[0] == batch_lps[0]}
         log(f"  invariance (row 0 alone vs in the batch): {out['invariant']}")
@@ -327,7 +346,7 @@ def bench_memory(loaded, args, log) -> dict:
     out = {}
     chunks = chunks_for(args.mem_batch, 1)
     for tokens in args.mem_tokens:
-        row, _, _ = run_engine(loaded, chunks, tokens, args.device, "plain", args.kernels, k_max=args.k_max)
+        row, _, _, _ = run_engine(loaded, chunks, tokens, args.device, "plain", args.kernels, k_max=args.k_max)
         out[str(tokens)] = {"peak_gb": row["peak_gb"], "ms_per_step": row["ms_per_step"], "tok_s": row["tok_s"]}
         log(f"  plain, batch {args.mem_batch}, {tokens} tokens: peak {row['peak_gb']} GB")
     peaks = [v["peak_gb"] for v in out.values() if v.get("peak_gb")]

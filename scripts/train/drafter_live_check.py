@@ -96,10 +96,10 @@ def evaluate(loaded, net, chunks: list[list], max_new_tokens: int, k_max: int, b
 
 
 def step_ms_by_width(engine) -> dict[str, float]:
-    """The engine's own measure of a step's cost (`engine.batch.step_width`: an average per row bucket, width and whether
-    the block drafter drafted), keyed ``rows x width`` (``+block`` when it drafted)."""
-    return {f"{rows}x{width}{'+block' if block else ''}": round(1000 * seconds, 3)
-            for (rows, width, block), seconds in sorted(engine.step_width.cost.items())}
+    """The engine's own measure of a step's cost (`engine.batch.step_width`: an average per row bucket, prefix bucket,
+    width and whether the block drafter drafted), keyed ``rows x width @ prefix`` (``+block`` when it drafted)."""
+    return {f"{rows}x{width}@{prefix}{'+block' if block else ''}": round(1000 * seconds, 3)
+            for (rows, prefix, width, block), seconds in sorted(engine.step_width.cost.items())}
 
 
 def chunked(pages: list, size: int) -> list[list]:

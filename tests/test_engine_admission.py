@@ -1,0 +1,145 @@
+"""Admission in bounded pieces and out of memory at admission (CPU, fp32, a tiny random model): chunks admitted a
+piece a turn while other rows decode, and an out-of-memory error injected at admission (several chunks at once,
+one chunk beside rows in flight, one chunk alone) shrink the admission or the batch; every chunk still ends once,
+token-identical to official ``generate()`` of that chunk alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.batch.admission import next_group
+from engine.batch.engine import BatchEngine
+from engine.chunk_decode import EngineDecoder
+from engine.model.load import load_model
+from engine.model.tiny import build_tiny_model
+from engine.official import official_generate
+from tests.conftest import text_page
+
+PAGES = [text_page(i) for i in range(6)]
+CHUNKS = [[PAGES[0]], PAGES[1:4], [PAGES[4]], PAGES[2:5], [PAGES[5]]]  # 1- and 3-page chunks
+TOKENS = 40
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    folder = build_tiny_model(tmp_path_factory.mktemp("admission") / "m", seed=0, sliding_window=8)
+    return load_model(str(folder), "cpu", "float32")
+
+
+@pytest.fixture(scope="module")
+def expected(loaded):
+    return [official_generate(loaded, c, "single" if len(c) == 1 else "multi", TOKENS).output_ids for c in CHUNKS]
+
+
+def oom(when):
+    """An admission hook that raises out of memory the first time ``when(requests)`` holds."""
+    fired = []
+
+    def hook(requests):
+        if not fired and when(requests):
+            fired.append(len(requests))
+            raise torch.OutOfMemoryError("CUDA out of memory (injected at admission)")
+
+    hook.fired = fired
+    return hook
+
+
+def run_all(engine: BatchEngine) -> dict:
+    """Every chunk through ``engine``; each key must end exactly once."""
+    for i, chunk in enumerate(CHUNKS):
+        engine.submit(engine.prepare(chunk, TOKENS, key=i))
+    ended: dict = {}
+    while engine.busy:
+        for res in engine.step():
+            assert res.request.key not in ended, "a chunk produced twice"
+            ended[res.request.key] = res.output_ids
+    return ended
+
+
+@pytest.mark.parametrize("mode", ["plain", "lossless"])
+def test_admission_runs_a_piece_a_turn_between_steps(loaded, expected, mode):
+    engine = BatchEngine(loaded, mode, max_batch=5, admit_tokens=1)  # one chunk a turn
+    for i, chunk in enumerate(CHUNKS):
+        engine.submit(engine.prepare(chunk, TOKENS, key=i))
+    engine.step()
+    assert engine.active == 1 and len(engine.pending) == 4  # the first chunk decodes while the others wait
+    engine.step()
+    assert engine.active == 2
+    ended = {}
+    while engine.busy:
+        ended.update({r.request.key: r.output_ids for r in engine.step()})
+    assert [ended[i] for i in range(len(CHUNKS))] == expected
+
+
+def test_groups_are_bounded_by_rows_pages_and_tokens(loaded):
+    engine = BatchEngine(loaded, "plain", max_batch=5)
+    pending = [engine.prepare(c, TOKENS, key=i) for i, c in enumerate(CHUNKS)]  # 1, 3, 1, 3, 1 pages
+    assert len(next_group(pending, 5, 64, 10**6)) == 5
+    assert len(next_group(pending, 2, 64, 10**6)) == 2
+    assert len(next_group(pending, 5, 4, 10**6)) == 2  # 1 + 3 pages
+    assert len(next_group(pending, 5, 1, 1)) == 1  # at least one chunk: the turn's first group
+    assert not next_group(pending, 5, 1, 1, first=False)  # a later group of the turn keeps within its budget
+
+
+def test_out_of_memory_admitting_several_chunks_halves_the_group_and_loses_nothing(loaded, expected):
+    engine = BatchEngine(loaded, "plain", max_batch=5)
+    engine.admission_hook = hook = oom(lambda requests: len(requests) > 1)
+    ended = run_all(engine)
+    assert hook.fired == [5] and engine.admit_pages == 4  # 9 pages asked, 4 a group from then on
+    assert engine.row_limit == 5  # the batch did not shrink: the admission did
+    assert [ended[i] for i in range(len(CHUNKS))] == expected
+
+
+def test_out_of_memory_admitting_beside_rows_in_flight_shrinks_the_batch(loaded, expected):
+    engine = BatchEngine(loaded, "lossless", max_batch=5, admit_tokens=1)
+    engine.admission_hook = hook = oom(lambda requests: engine.active == 2)
+    ended = run_all(engine)
+    assert hook.fired == [1] and engine.row_limit == 2
+    assert [ended[i] for i in range(len(CHUNKS))] == expected
+
+
+def test_a_chunk_that_does_not_fit_alone_at_admission_comes_back_with_its_error(loaded, expected):
+    engine = BatchEngine(loaded, "plain", max_batch=2)
+    engine.admission_hook = oom(lambda requests: requests[0].key == 1)
+    decoder = EngineDecoder(engine)
+    engine.row_limit = 1
+    for i in (0, 1, 2):
+        decoder.submit(i, CHUNKS[i], 4096, TOKENS)
+    results = {}
+    while decoder.busy:
+        for key, out in decoder.poll():
+            assert key not in results
+            results[key] = out
+    assert isinstance(results[1], torch.OutOfMemoryError)
+    assert results[0].output_ids == expected[0] and results[2].output_ids == expected[2]
+
+
+def test_a_cache_that_cannot_grow_for_every_row_keeps_fewer_rows_and_loses_nothing(loaded, expected, monkeypatch):
+    """A longer prefix arrives while rows decode, and the grown cache fits only 2 of the 5 rows (out of memory
+    injected into the cache's allocation): rows 2 and up go back to the queue, the first two keep their prefixes."""
+    from engine.batch.admission import _make_room
+
+    engine = BatchEngine(loaded, "lossless", max_batch=5, drafter_factory=lambda r: [])
+    for i, chunk in enumerate(CHUNKS):
+        engine.submit(engine.prepare(chunk, TOKENS, key=i))
+    ended = {r.request.key: r.output_ids for r in engine.step()}
+    engine.step()
+    assert engine.active == 5
+    real = engine.kv.zeros
+
+    def short(shape):
+        if shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected into the cache)")
+        return real(shape)
+
+    monkeypatch.setattr(engine.kv, "zeros", short)
+    assert _make_room(engine, 200)
+    assert engine.kv.rows == 2 and engine.row_limit == 2 and engine.active == 2 and len(engine.pending) == 3
+    while engine.busy:
+        for res in engine.step():
+            assert res.request.key not in ended
+            ended[res.request.key] = res.output_ids
+    assert [ended[i] for i in range(len(CHUNKS))] == expected

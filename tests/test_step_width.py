@@ -1,0 +1,129 @@
+"""The step-width choice (`engine.batch.step_width`) on synthetic step costs and acceptance: plain decoding is
+measured first, wide steps are taken only when measured costs and acceptance say they pay, plain's cost is
+re-measured while wide steps run, and a drafter switched off by hard pages is probed again and comes back."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.batch import step_width as sw
+from engine.batch.step_width import StepWidth, expected_tokens
+
+WIDTHS = [1, 2, 4, 8, 16, 17]
+ROWS, PREFIX = 8, 384
+
+
+def flat(p: float, k: int = 16) -> list[float]:
+    return [p] * k  # every draft position accepted with chance p
+
+
+def measured(costs: dict[int, float], rows: int = ROWS, prefix: int = PREFIX) -> StepWidth:
+    """A chooser that has run each width of ``costs`` (seconds) twice in one cell (the first is dropped)."""
+    chooser = StepWidth(WIDTHS)
+    for width, seconds in costs.items():
+        chooser.observe(rows, prefix, width, False, 10.0)
+        chooser.observe(rows, prefix, width, False, seconds)
+    return chooser
+
+
+def run(chooser: StepWidth, acceptance: float, costs: dict[int, float], steps: int, rows: int = ROWS) -> list[int]:
+    """``steps`` steps of rows whose drafts are accepted position by position with chance ``acceptance``: the
+    widths chosen (None: the rows did not draft). Each step commits what it was expected to and costs ``costs``."""
+    chosen = []
+    for _ in range(steps):
+        if not chooser.drafting(rows, PREFIX):
+            chooser.observe(rows, PREFIX, 1, False, costs[1], rows, rows)
+            chosen.append(None)
+            continue
+        w = chooser.choose(rows, PREFIX, [chooser.accept_at("ngram", [], [], 16)] * rows, False)
+        accepted = round(sum(acceptance ** (j + 1) for j in range(w - 1)))
+        for _ in range(rows):
+            if w > 1:
+                chooser.record("ngram", w - 1, accepted)
+        chooser.observe(rows, PREFIX, w, False, costs[w], rows * (1 + accepted), rows)
+        chosen.append(w)
+    return chosen
+
+
+def test_expected_tokens():
+    assert expected_tokens([1.0] * 4, 4) == 5 and expected_tokens([0.0] * 16, 16) == 1
+
+
+def test_plain_decoding_is_measured_first():
+    chooser = StepWidth(WIDTHS)
+    assert chooser.choose(ROWS, PREFIX, [flat(0.99)] * ROWS, False) == 1
+    chooser.observe(ROWS, PREFIX, 1, False, 0.010)
+    assert chooser.choose(ROWS, PREFIX, [flat(0.99)] * ROWS, False) == 1  # the first measure is dropped
+    chooser.observe(ROWS, PREFIX, 1, False, 0.010)
+    assert chooser.choose(ROWS, PREFIX, [flat(0.99)] * ROWS, False) == 2  # the next width, at plain's cost
+    chooser.observe(ROWS, PREFIX, 2, False, 0.0101)
+    chooser.observe(ROWS, PREFIX, 2, False, 0.0101)
+    assert chooser.choose(ROWS, PREFIX, [flat(0.99)] * ROWS, False) == 17  # extrapolated from widths 1 and 2
+
+
+def test_exploration_climbs_and_never_tries_a_very_wide_step_where_cost_grows_with_width():
+    costs = {w: 0.0087 * w for w in WIDTHS}  # compute-bound: a step's cost grows with its width
+    chosen = run(StepWidth(WIDTHS), 0.9, costs, 300, rows=256)
+    assert max(w or 1 for w in chosen) <= 4
+    seconds = sum(costs[w or 1] for w in chosen)
+    assert seconds <= 1.02 * 300 * costs[1]
+
+
+def test_measured_costs_and_acceptance_decide():
+    chooser = measured({1: 0.010, 4: 0.012, 17: 0.040})
+    assert chooser.choose(ROWS, PREFIX, [flat(0.02)] * ROWS, False) == 1  # bad drafts: plain
+    assert chooser.choose(ROWS, PREFIX, [flat(0.99)] * ROWS, False) == 17  # good drafts pay for the width
+    assert chooser.choose(ROWS, PREFIX, [[0.9, 0.8, 0.6, 0.4] + [0.05] * 12] * ROWS, False) == 4
+
+
+def test_wide_steps_that_do_not_pay_are_not_taken():
+    """At a large batch a wide step costs more than its expected tokens buy (10%-wrong drafts, compute-bound)."""
+    chooser = measured({1: 0.0087, 2: 0.016, 4: 0.019, 8: 0.020, 16: 0.021, 17: 0.021}, rows=256)
+    assert chooser.choose(256, PREFIX, [flat(0.05)] * 256, False) == 1
+    assert chooser.choose(256, PREFIX, [[0.9, 0.81, 0.73] + [0.0] * 13] * 256, False) == 4  # 3.44x for 2.2x
+    assert chooser.choose(256, PREFIX, [[0.5] + [0.0] * 15] * 256, False) == 1  # 1.5x for 1.8x: plain
+
+
+def test_a_width_never_run_costs_what_another_cell_says_relative_to_plain():
+    chooser = measured({1: 0.010, 17: 0.030}, rows=64)
+    chooser.observe(128, PREFIX, 1, False, 1.0)
+    chooser.observe(128, PREFIX, 1, False, 0.020)
+    assert chooser.estimate(128, PREFIX, 17, False) == pytest.approx(0.060)  # 3x plain, as at 64 rows
+    assert chooser.choose(128, PREFIX, [flat(0.1)] * 128, False) == 1  # so it is not tried at a loss
+
+
+def test_the_choice_never_loses_to_plain_when_drafts_are_wrong():
+    costs = {1: 0.0087, 2: 0.016, 4: 0.018, 8: 0.019, 16: 0.020, 17: 0.020}
+    chooser = StepWidth(WIDTHS)
+    chosen = run(chooser, 0.0, costs, 400, rows=256)
+    seconds = sum(costs[w or 1] for w in chosen)
+    assert seconds <= 1.03 * 400 * costs[1]  # exploration and probes cost at most 3%
+    assert chosen.count(None) > 300  # the rows stop drafting ...
+    assert chooser.probes >= 5  # ... but for a probe now and then
+
+
+def test_plain_cost_is_refreshed_while_wide_steps_run():
+    costs = {1: 0.010, 2: 0.0105, 4: 0.011, 8: 0.012, 16: 0.013, 17: 0.013}
+    chosen = run(StepWidth(WIDTHS), 0.95, costs, 200)
+    wide = [w for w in chosen[20:] if w]
+    assert max(wide) >= 8 and 1 in wide  # mostly wide, with plain steps to keep its cost measured
+    assert wide.count(1) <= len(wide) // sw.REFRESH_EVERY + 2
+
+
+def test_a_drafter_switched_off_by_hard_pages_comes_back_on_easy_pages():
+    costs = {1: 0.010, 2: 0.011, 4: 0.012, 8: 0.013, 16: 0.014, 17: 0.014}
+    chooser = StepWidth(WIDTHS)
+    hard = run(chooser, 0.0, costs, 200)
+    assert hard[-50:].count(None) > 40  # switched off
+    easy = run(chooser, 0.95, costs, 200)
+    assert sum(1 for w in easy[-100:] if w and w >= 8) > 80  # back at wide steps
+
+
+def test_calibration_follows_what_wide_steps_commit():
+    costs = {1: 0.010, 2: 0.012, 4: 0.014, 8: 0.016, 16: 0.018, 17: 0.018}
+    chooser = measured(costs)
+    for _ in range(20):  # the records say 0.5 a position, steps commit nothing beyond the target's token
+        w = chooser.choose(ROWS, PREFIX, [flat(0.5)] * ROWS, False)
+        chooser.observe(ROWS, PREFIX, w, False, costs[w], ROWS, ROWS)
+    assert chooser.calibration < 0.2
+    assert chooser.choose(ROWS, PREFIX, [flat(0.5)] * ROWS, False) == 1
