@@ -28,7 +28,7 @@ def prefill_groups(lengths: list[int], budget: int) -> list[list[int]]:
 
 def admit(engine) -> list[ChunkResult]:
     """Admit what fits into ``engine`` (a `engine.batch.engine.BatchEngine`); the chunks that ended at once."""
-    free = [i for i in range(engine.row_limit) if engine.batch.rows[i] is None]
+    free = [i for i in range(engine.row_limit) if engine.rows[i] is None]
     take = [engine.pending.popleft() for _ in range(min(len(free), len(engine.pending)))]
     if not take:
         return []
@@ -54,11 +54,11 @@ def admit(engine) -> list[ChunkResult]:
                 if engine.block is not None:
                     engine.block.start(rows[k], features[k])
                 row.start(logits[k], prefill_s=share, eos=engine.eos)
-                engine.batch.rows[rows[k]] = row
+                engine.rows[rows[k]] = row
                 if row.done(engine.eos):
                     finished.append(engine._finish(row))
     except torch.OutOfMemoryError as exc:
-        admitted = {id(r.request) for r in engine.batch.rows if r is not None}
+        admitted = {id(r.request) for r in engine.rows if r is not None}
         engine.pending.extendleft(reversed([r for r in take if id(r) not in admitted]))
         if not engine.active:
             raise
