@@ -45,7 +45,7 @@ def admit(engine) -> list[ChunkResult]:
         for group in prefill_groups([e.shape[1] for e in embeds], PREFILL_TOKENS):
             t1 = time.perf_counter()
             rows = [free[j] for j in group]
-            logits, features = engine.model.forward.prefill(rows, torch.cat([embeds[j] for j in group]))
+            logits, features = engine.forward.prefill(rows, torch.cat([embeds[j] for j in group]))
             engine.timing["prefill_s"] += time.perf_counter() - t1
             share = vision_s + (time.perf_counter() - t1) / len(group)
             for k, j in enumerate(group):
