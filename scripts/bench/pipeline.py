@@ -1,6 +1,6 @@
 """Pages per hour through the whole pipeline: ``uflash run`` over synthetic documents, at each ``--max-batch``.
 
-Documents: ``--docs`` held-out synthetic PDFs (``scripts.synth.make_document``, seeds from ``--seed0`` below
+Documents: ``--docs`` held-out synthetic PDFs (``ingest.synth.documents.make_document``, seeds from ``--seed0`` below
 1,000,000) of ``--doc-pages`` pages each, image-only with ``--scan`` (no text layer: the block drafter's case).
 For each ``engine.max_batch`` in ``--max-batch`` (e.g. ``1,auto``) a fresh ledger, inbox and outbox, then one
 ``uflash run`` of every document in a subprocess (model load, graph capture and every other one-off cost
@@ -30,7 +30,7 @@ from pathlib import Path
 
 
 def write_documents(folder: Path, docs: int, pages: int, seed0: int, scan: bool, ladder: bool = False) -> list[Path]:
-    from scripts.synth import HELD_OUT_LIMIT
+    from ingest.synth.documents import HELD_OUT_LIMIT
 
     if seed0 + docs > HELD_OUT_LIMIT:
         raise SystemExit(f"held-out seeds must stay below {HELD_OUT_LIMIT:,}")
@@ -41,8 +41,8 @@ def write_documents(folder: Path, docs: int, pages: int, seed0: int, scan: bool,
 
 
 def write_document(path: Path, seed: int, pages: int, scan: bool, ladder: bool) -> Path:
-    from scripts.synth import make_document
-    from scripts.synth.ladder import ladder_document
+    from ingest.synth.documents import make_document
+    from ingest.synth.ladder import ladder_document
 
     path.write_bytes(ladder_document(seed)[0] if ladder else make_document(seed, pages, scan=scan)[0])
     return path
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--doc-pages", type=int, default=4)
     ap.add_argument("--seed0", type=int, default=860_000)
     ap.add_argument("--scan", action="store_true", help="image-only pages (no text layer)")
-    ap.add_argument("--ladder", action="store_true", help="the grades' difficulty ladder instead (scripts.synth.ladder: "
+    ap.add_argument("--ladder", action="store_true", help="the grades' difficulty ladder instead (ingest.synth.ladder: "
                     "1-4 pages, 9-20 pt, scans; most of it the demo model reads badly); --doc-pages is ignored")
     ap.add_argument("--max-batch", default="1,auto")
     ap.add_argument("--docs-at-batch-1", type=int, default=None,
