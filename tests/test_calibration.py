@@ -95,6 +95,25 @@ def test_a_read_only_model_folder_keeps_its_calibration_beside_the_config(tmp_pa
     assert read_calibration(s, str(model_copy))[0] == rec
 
 
+def test_status_says_whether_the_models_grades_are_calibrated(tmp_path, model_copy, capsys):
+    cfg = write_config(tmp_path, model={"path": str(model_copy)})
+    assert main(["--config", str(cfg), "status"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("grades:"))
+    assert "NOT calibrated" in line and "uflash calibrate" in line
+    _calibration(model_copy)
+    assert main(["--config", str(cfg), "status", "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["grades"]["calibrated"] and "calibrated for this model on 2026-01-02" in st["grades"]["summary"]
+
+
+def test_the_review_page_of_calibrated_grades_has_no_warning():
+    from ingest.review.page import render_html
+
+    rep = {"run": {"id": 1, "mode": "plain", "model": "m", "started_at": "2026-01-01T00:00:00"}, "documents": [],
+           "pages": 0, "grades": {}, "not_calibrated": None}
+    assert "NOT calibrated" not in render_html(rep) and "class='warn'" not in render_html(rep)
+
+
 def test_budget_is_pages_or_seconds():
     assert parse_budget("200") == (200, 0.0) and parse_budget("600s") == (0, 600.0) and parse_budget(None) == (0, 0.0)
     with pytest.raises(UsageError):
