@@ -54,7 +54,7 @@ def test_grading_reads_the_models_calibration_and_the_users_keys_override_it(tmp
     s = load_settings(write_config(tmp_path, model={"path": str(model_copy)}, quality={"mean_logprob_poor": -0.2}))
     g = grading_thresholds(s)
     assert (g.thresholds.mean_logprob_poor, g.thresholds.unsure_words_poor) == (-0.2, 0.4)
-    assert g.user_set == ("mean_logprob_poor",) and "set in the config: mean_logprob_poor" in g.summary()
+    assert g.user_set == ("mean_logprob_poor",) and "set in the config over it: mean_logprob_poor" in g.summary()
 
 
 def test_a_model_without_calibration_is_graded_conservatively_and_says_so(tmp_path, model_copy):

@@ -80,7 +80,8 @@ class ModelGrading:
                    f"grade more pages fair or poor; {HOW_TO}"
         c = self.calibration
         held = c.get("held_out") or {}
-        user = f"; set in the config: {', '.join(self.user_set)}" if self.user_set else ""
+        over = [k for k in self.user_set if k in FITTED]
+        user = f"; set in the config over it: {', '.join(over)}" if over else ""
         return f"grades calibrated for this model on {c.get('date', '?')[:10]} ({c.get('pages', '?')} ladder pages; " \
                f"held out: recall {held.get('recall_poor')}, precision {held.get('precision_poor')}, good median CER " \
                f"{held.get('good_cer_median')}){user}"
