@@ -63,8 +63,9 @@ class EngineSettings(_Section):
 class Thresholds:
     """The ``[quality]`` section of config.toml: the parameters of the figures computed here, and the thresholds
     of the grade (``ingest.quality.grades``: a page is *poor* when any poor rule fires, *fair* when any fair rule fires,
-    else *good*; rules whose figure is missing do not fire). The grading thresholds were chosen on a labelled
-    ladder against the truth (docs/grades.md)."""
+    else *good*; rules whose figure is missing do not fire). The defaults of the thresholds a calibration chooses
+    (``ingest.quality.calibration.FITTED``) are the demo model's; each model's own come from its calibration
+    (docs/grades.md)."""
 
     distinct_20_poor: float = 0.80  # Distinct-20 below this: poor (repetition)
     distinct_20_fair: float = 0.95
@@ -93,14 +94,12 @@ class Thresholds:
 
 class QualitySettings(_Section):
     """``[quality]``: the fields of ``Thresholds`` (each documented there; defaults are the dataclass's), and whether
-    pages caught by the checks are decoded again alone (ingest.quality.repair)."""
+    pages caught by the checks are decoded again alone (ingest.quality.repair). The thresholds that grade a model's
+    pages are ``ingest.quality.calibration.grading_thresholds``: the keys set here over the model's calibration."""
 
     __annotations__ = {**{f: type(v) for f, v in vars(Thresholds()).items()}, "repair": bool}
     locals().update(vars(Thresholds()))
     repair: bool = True
-
-    def thresholds(self) -> Thresholds:
-        return Thresholds(**self.model_dump(exclude={"repair"}))
 
 
 class OrientationSettings(_Section):

@@ -3,6 +3,6 @@
 - `scripts.bench`: what the engine and the pipeline cost (engine, pipeline, cpu, fast) and the GPU exactness check;
 - `scripts.eval`: how well a model reads (demo) and how well scans are turned upright (orientation);
 - `scripts.train`: training the demo model (demo) and a block drafter (drafter);
-- `scripts.synth`: the synthetic document generator (``python -m scripts.synth``).
+- `scripts.synth`: held-out pages of the synthetic document generator (ingest/synth) as PNG files (``python -m scripts.synth``).
 - `scripts.check_figures`: every figure the docs cite equals its record under docs/results/ (run by CI).
 """

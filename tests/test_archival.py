@@ -407,7 +407,7 @@ def test_a_rerun_rewrites_every_format(tmp_path, tiny_model_dir):
 def test_ocrmypdf_with_the_uflash_plugin_writes_the_text_uflash_run_writes(tmp_path):
     """A 2-page scan: ``ocrmypdf --plugin ingest.commands.ocrmypdf_plugin`` (demo model, CPU) writes a PDF/A whose text, page
     by page and word for word, is what ``uflash run`` writes for the same file."""
-    from scripts.synth import make_document
+    from ingest.synth.documents import make_document
     from tests.conftest import write_config
 
     data, _ = make_document(880_100, 2, scan=True)

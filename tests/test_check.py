@@ -29,6 +29,9 @@ def test_check_on_a_new_and_on_a_working_ledger(tmp_path, tiny_model_dir, ledger
     assert ("no ledger yet" if ledger_url.startswith("sqlite") else "empty: the first") in ledger, out
     assert "not there yet; created at the first start" in _line(out, "inbox")
     assert _line(out, "model").split()[1] == "ok" and out.rstrip().endswith("all good")
+    # a model without calibration: said plainly, with how to calibrate it (not a failure)
+    grades = _line(out, "grades")
+    assert grades.split()[1] == "ok" and "NOT calibrated" in grades and "uflash calibrate" in grades, out
     settings = load_settings(cfg)
     assert not settings.inbox.exists() and not (tmp_path / "uflash.db").exists()  # it changed nothing
     db = Database(settings.database_url)
@@ -46,7 +49,8 @@ def test_check_on_a_new_and_on_a_working_ledger(tmp_path, tiny_model_dir, ledger
     db.dispose()
     result = json.loads(_check(cfg, "--json")[1])
     assert result["exit_code"] == 2 and [c["name"] for c in result["checks"]] == [
-        "ledger", "inbox", "outbox", "archive", "failed", "logs", "model"]  # the newer ledger is not looked into
+        "ledger", "inbox", "outbox", "archive", "failed", "logs", "model", "grades"]  # the newer ledger is not looked
+    # into
 
 
 def test_check_says_when_the_originals_waiting_in_a_shared_ledger_cannot_be_reached(tmp_path, tiny_model_dir,

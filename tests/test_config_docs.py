@@ -34,15 +34,18 @@ def _value(cell: str):
 
 
 def doc_tables(text: str) -> dict[str, dict]:
-    """docs/configuration.md's table per ``## `[section]` ``: key -> (default as config.toml sets it, built-in)."""
+    """docs/configuration.md's table per ``## `[section]` ``: key -> (default as config.toml sets it, built-in); a key
+    marked ``(*model*)`` is commented out in config.toml."""
     out = {}
     for section, body in re.findall(r"^## `\[(\w+)\]`\n(.*?)(?=^## |\Z)", text, flags=re.M | re.S):
         rows = {}
         for key, cell in re.findall(r"^\| `(\w+)` \| ([^|]+?) \|", body, flags=re.M):
-            m = re.fullmatch(r"(?:`(.+?)`|(none))(?: \(built-in: `(.+)`\))?", cell)
+            m = re.fullmatch(r"(?:`(.+?)`|(none))(?: \(built-in: `(.+)`\))?( \(\*model\*\))?", cell)
             assert m, (section, key, cell)
             shown = _value(m[1] or m[2])
-            rows[key] = (shown, _value(m[3]) if m[3] else shown)
+            # *model*: the model's calibration decides; config.toml shows the key commented out (None), and the
+            # value shown is ingest/config.py's default
+            rows[key] = (None if m[4] else shown, _value(m[3]) if m[3] else shown)
         out[section] = rows
     return out
 

@@ -70,7 +70,7 @@ def test_demo_model_plain_and_lossless_equal_official_on_10_pages(demo):
     for every page."""
     from engine.batch.engine import BatchEngine
     from engine.official import official_generate
-    from scripts.synth import make_document, render_pages
+    from ingest.synth.documents import make_document, render_pages
 
     images, layers = [], []
     for seed in SEEDS:
@@ -95,8 +95,8 @@ def test_demo_model_plain_and_lossless_equal_official_on_10_pages(demo):
 def sentence_page(text: str):
     """A sentence typed on an A4 page as office software would (16 pt Helvetica from the top-left margin), rendered
     the way uflash renders PDFs."""
+    from ingest.synth.documents import render_pages
     from scripts.eval.demo import typed_sentence_pdf
-    from scripts.synth import render_pages
 
     return render_pages(typed_sentence_pdf(text, 72))[0]
 

@@ -62,7 +62,7 @@ def test_a_four_page_demo_chunk_is_lossless_with_the_block_drafter():
     lossless with the shipped block drafter (the only drafter) emits official generate()'s tokens exactly, most of
     them drafted by the block drafter."""
     from engine.loading import load_block_drafter
-    from scripts.synth import make_document, render_pages
+    from ingest.synth.documents import make_document, render_pages
 
     demo = load_model(str(DEMO), "cpu", "float32")
     pdf, _labels = make_document(880_200, 4, scan=True)  # held out: below the generator's training seeds

@@ -1,4 +1,4 @@
-"""The calibration ladder's decode job (scripts/eval/ladder_decode.py) and its table (python -m scripts.eval.grades),
+"""The calibration ladder's decode job (ingest/calibration/decode.py) and its table (python -m scripts.eval.grades),
 with a scripted decoder behind the engine's submit / poll interface: documents are rendered by a real process pool,
 the print measured on each page is stored, a page that copies its neighbour in a chunk is read again alone, a
 restart goes on where the last run stopped (also between a document and its pages read alone), the time budget
@@ -12,9 +12,9 @@ from types import SimpleNamespace
 
 from engine.chunk_output import assemble
 from engine.official import DecodeResult
+from ingest.calibration.decode import decode_ladder, read_lines
+from ingest.synth.ladder import ladder_pages, ladder_rung
 from scripts.eval import grades
-from scripts.eval.ladder_decode import decode_ladder, read_lines
-from scripts.synth.ladder import ladder_pages, ladder_rung
 from tests.conftest import DEMO, needs_demo
 
 pytestmark = needs_demo

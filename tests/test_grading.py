@@ -159,7 +159,12 @@ def _scan_pdf(path, texts):
 
 
 def _run(tmp_path, tiny_model_dir, scan: bool, repair: bool):
-    cfg = worker_config(tmp_path, tiny_model_dir, quality={"repair": repair}, orientation={"auto": False})
+    from ingest.quality.calibration import FITTED
+
+    # the repair is what is tested: graded with the demo model's thresholds (set in the config), not the conservative
+    # ones the uncalibrated tiny model gets
+    demo = {k: getattr(Thresholds(), k) for k in FITTED}
+    cfg = worker_config(tmp_path, tiny_model_dir, quality={"repair": repair, **demo}, orientation={"auto": False})
     s = load_settings(cfg)
     s.ensure_folders()
     db = Database(s.database_url)
@@ -246,7 +251,10 @@ class MergingDecoder(CopyingDecoder):
 def test_pages_of_a_chunk_that_came_back_short_are_decoded_alone(tmp_path, tiny_model_dir):
     """3 pages in, 2 out: page 3 is re-queued (the worker's rule) and pages 1-2, which may hold their neighbours'
     text, are each decoded again alone; page 2's own reading is kept."""
-    cfg = worker_config(tmp_path, tiny_model_dir, orientation={"auto": False})
+    from ingest.quality.calibration import FITTED
+
+    demo = {k: getattr(Thresholds(), k) for k in FITTED}  # graded as in _run: the demo model's thresholds
+    cfg = worker_config(tmp_path, tiny_model_dir, quality=demo, orientation={"auto": False})
     s = load_settings(cfg)
     s.ensure_folders()
     db = Database(s.database_url)

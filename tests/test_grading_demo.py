@@ -11,7 +11,7 @@ import pytest
 from ingest.config import load_settings
 from ingest.quality.grades import plain_text, repeats
 from ingest.quality.measures import Thresholds, normalized_edit_distance
-from scripts.synth import make_document, strip_markup
+from ingest.synth.documents import make_document, strip_markup
 from tests.conftest import DEMO, ROOT, needs_demo, uflash, write_config
 
 pytestmark = needs_demo
@@ -20,7 +20,7 @@ pytestmark = needs_demo
 # reads word for word), with the grade the rules before calibration gave them (recorded with that code, this run):
 READ_CORRECTLY = {("sample", 1): "good", ("sample", 2): "good", ("synth-800100", 1): "good",
                   ("synth-800100", 2): "good", ("synth-800102", 1): "good"}
-COPYING = 900_034  # scripts.synth.make_document(COPYING, 3, kind="sparse"): the demo model writes page 1's text again
+COPYING = 900_034  # ingest.synth.documents.make_document(COPYING, 3, kind="sparse"): the demo model writes page 1's text again
 # as page 2 (found with the generator among 3-page documents of nearly empty pages)
 
 

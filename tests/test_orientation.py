@@ -165,9 +165,9 @@ def test_the_demo_model_reads_a_turned_scan_as_it_reads_the_upright_one(tmp_path
     from ingest.review.assets import THUMB_PX
     from ingest.review.page import page_images
     from ingest.review.report import collect_report, format_report
+    from ingest.synth.documents import make_document
+    from ingest.synth.documents import render_pages as synth_pages
     from ingest.worker.worker import Worker
-    from scripts.synth import make_document
-    from scripts.synth import render_pages as synth_pages
     from tests.conftest import worker_config
     from tests.test_worker import serve_until_done
 

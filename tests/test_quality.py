@@ -162,7 +162,9 @@ def test_quality_and_fast_settings_come_from_config_toml(tmp_path):
 
     s = load_settings(write_config(tmp_path, quality={"mean_logprob_fair": -0.2, "loop_min_tokens": 64},
                                    engine={"mode": "fast", "fast_threshold": 0.5}))
-    t = s.quality.thresholds()
+    from ingest.quality.calibration import grading_thresholds
+
+    t = grading_thresholds(s).thresholds  # the keys set in the config over the model's (here: none) calibration
     assert (t.mean_logprob_fair, t.loop_min_tokens, t.distinct_20_poor) == (-0.2, 64, Thresholds().distinct_20_poor)
     assert (s.engine.mode, s.engine.fast_threshold) == ("fast", 0.5)
     for bad in ({"quality": {"no_such_threshold": 1}}, {"quality": {"distinct_20_poor": "high"}},

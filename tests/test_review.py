@@ -85,6 +85,7 @@ def test_every_page_has_quality_stats_and_a_grade(review):
         assert q["text_layer_ned"] > 0.5  # the PDF has a text layer, and a random model's text is far from it
         # a random model capped at 40 tokens a page: cut output, text unlike the page: poor, with reasons
         assert q["grade"] == "poor" and "length" in q["reasons"]
+        assert q["calibration"] == {"calibrated": False}  # the tiny model has no calibration
 
 
 def test_rerun_keeps_history_and_equals_a_first_lossless_run(review):
@@ -144,6 +145,7 @@ def test_report_json_agrees_with_the_database(review):
         assert r.returncode == 0, r.stderr
         rep = json.loads(r.stdout)
         assert rep["run"]["id"] == run_id and rep["run"]["finished_at"]  # `uflash run` and `rerun` close their run
+        assert "NOT calibrated" in rep["not_calibrated"] and "uflash calibrate" in rep["not_calibrated"]
         shown = [p for d in rep["documents"] for p in d["pages"]]
         assert sorted(p["page_id"] for p in shown) == sorted(i for i, p in pages.items() if p.run_id == run_id)
         for p in shown:
@@ -157,6 +159,7 @@ def test_report_json_agrees_with_the_database(review):
     assert good["pages"] == 0 and good["documents"] == []
     table = uflash("--config", str(cfg), "report")  # default: the latest run
     assert table.returncode == 0 and table.stdout.startswith("run 2 (lossless")
+    assert "grades NOT calibrated" in table.stdout.splitlines()[1] and "uflash calibrate" in table.stdout
     assert re.search(r"^\s+1\s+poor\s+length\s+\S+\s+\S+\s+length", table.stdout, re.M), table.stdout
 
 

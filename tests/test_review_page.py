@@ -190,6 +190,8 @@ return out;
 def test_the_review_page_is_one_self_contained_file(review):
     html = review.html.read_text(encoding="utf-8")
     assert "<link" not in html and "http://" not in html and "https://" not in html and "@import" not in html
+    # the tiny model that graded these pages has no calibration: the page says so, and how to calibrate
+    assert "<p class='warn' role='alert'>grades NOT calibrated" in html and "uflash calibrate" in html
     assert html.count("<section class='page") == len(review.pages) > 15
     assert html.count("src='data:image/jpeg;base64,") == len(review.pages)  # every page shown
     turned = [p for p in review.pages if (p.stats.get("orientation") or {}).get("turned")]

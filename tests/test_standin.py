@@ -18,7 +18,7 @@ def test_tiny_standin_through_uflash_run(tmp_path):
     model = tmp_path / "standin"
     desc = build_standin(model, tokens_per_page=TOKENS, max_pages=3, tiny=True)
     assert desc["pages"] == 3 and (model / "standin.json").is_file()
-    from scripts.synth import make_document
+    from ingest.synth.documents import make_document
 
     (tmp_path / "in").mkdir()
     three, one = tmp_path / "in" / "three.pdf", tmp_path / "in" / "one.pdf"

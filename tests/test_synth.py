@@ -1,4 +1,4 @@
-"""The synthetic document generator (scripts/synth): determinism, label format, density, text layer, scans."""
+"""The synthetic document generator (ingest/synth): determinism, label format, density, text layer, scans."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pymupdf
 import pytest
 
-from scripts.synth import (
+from ingest.synth.documents import (
     HELD_OUT_LIMIT,
     join_pages,
     layout_labels,
@@ -134,7 +134,7 @@ def test_eval_sentence_pages_carry_their_sentence():
 def test_open_words_put_pseudo_words_on_the_page():
     """``open_words``: that share of words becomes pseudo-words outside the word list, deterministically by seed,
     in the labels and in the text layer alike; 0 leaves every document as it was."""
-    from scripts.synth.text import word_table
+    from ingest.synth.text import word_table
 
     listed = {w.lower() for w in word_table()[0]}
     assert layout_labels(4321, 2, open_words=0.0) == layout_labels(4321, 2)

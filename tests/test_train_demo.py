@@ -83,7 +83,7 @@ def test_demo_tokenizer_makes_every_box_coordinate_one_token():
 
 def _char_grid_pages(tokenizer, size: int) -> list[tuple]:
     """Two word pages as training items: (pixels, label ids, character grid)."""
-    from scripts.synth import page_arrays
+    from ingest.synth.documents import page_arrays
     from scripts.train.demo_data import char_tensor
 
     items = [it for s in range(2) for it in page_arrays(s, 1, size, kind="words", chars=True)]
@@ -92,7 +92,7 @@ def _char_grid_pages(tokenizer, size: int) -> list[tuple]:
 
 
 def test_auxiliary_character_losses_reach_the_vision_tower(tiny):
-    from scripts.synth.text import N_CHAR_CLASSES
+    from ingest.synth.text import N_CHAR_CLASSES
     from scripts.train.demo_data import make_batch
     from scripts.train.demo_loss import loss_fn
 
@@ -116,8 +116,8 @@ def test_auxiliary_character_losses_reach_the_vision_tower(tiny):
 
 
 def test_char_slots_point_at_the_vision_token_showing_each_character():
-    from scripts.synth import page_arrays
-    from scripts.synth.text import CHAR_INDEX, N_CHAR_CLASSES
+    from ingest.synth.documents import page_arrays
+    from ingest.synth.text import CHAR_INDEX, N_CHAR_CLASSES
 
     checked = agree = 0
     for _arr, label, grid, slots in page_arrays(800_000, 2, 1024, chars=True, slots=True):
@@ -142,7 +142,7 @@ def hits(rate, of: int) -> int:
 
 
 def test_alignment_loss_targets_image_slots_and_trains_the_guided_heads(tiny):
-    from scripts.synth import page_arrays
+    from ingest.synth.documents import page_arrays
     from scripts.train.demo_data import make_batch, token_slots
     from scripts.train.demo_loss import loss_fn
 
@@ -211,7 +211,7 @@ def test_a_fresh_decoder_can_start_from_a_saved_vision_tower(tiny, tmp_path):
 
 
 def test_character_tokenizer_gives_one_token_per_glyph_and_keeps_numbers_whole():
-    from scripts.synth import layout_labels
+    from ingest.synth.documents import layout_labels
 
     tokenizer = dm.build_tokenizer(dm.tokenizer_corpus(60), 4096, max_token_length=1)
     label = layout_labels(800_001, 1)[0] + "\n汉字 • 2026"
@@ -226,7 +226,7 @@ def test_character_tokenizer_gives_one_token_per_glyph_and_keeps_numbers_whole()
 
 
 def test_vision_only_phase_trains_the_tower_and_leaves_the_decoder_alone(tiny):
-    from scripts.synth.text import N_CHAR_CLASSES
+    from ingest.synth.text import N_CHAR_CLASSES
     from scripts.train.demo_data import make_batch
     from scripts.train.demo_loss import vision_loss
 

@@ -16,6 +16,7 @@ from db.overview import ledger_facts
 from db.session import SCHEMA_VERSION, LedgerUrlError, masked_url
 from ingest.config import Settings
 from ingest.errors import ConfigError, InfrastructureError, ModelUnavailable, UflashError, infrastructure_problem
+from ingest.quality.calibration import grading_thresholds
 
 FOLDERS = ("inbox", "outbox", "archive", "failed", "logs")
 
@@ -124,6 +125,11 @@ def check_model(settings: Settings) -> Check:
     return Check("model", True, f"{path}: a hub id; uflash never downloads: it must be in the local cache")
 
 
+def check_grades(settings: Settings) -> Check:
+    """Whether the model's grades are calibrated for it (ingest.quality.calibration): never a failure, said plainly."""
+    return Check("grades", True, grading_thresholds(settings).summary())
+
+
 def run_checks(settings: Settings) -> dict[str, Any]:
     """Every check, in order, with the owners of the ledger's open runs (a failed check's ``fault`` says what kind of
     failure it is)."""
@@ -137,7 +143,9 @@ def run_checks(settings: Settings) -> dict[str, Any]:
     checks += [check_folder(settings, name) for name in FOLDERS]
     if ledger.ok:
         checks.append(check_waiting_originals(originals))
-    checks.append(check_model(settings))
+    checks.append(model := check_model(settings))
+    if model.ok:
+        checks.append(check_grades(settings))
     return {"checks": [asdict(c) for c in checks], "open_runs_of": owners, "ok": all(c.ok for c in checks)}
 
 

@@ -48,11 +48,12 @@ def _report(settings: Settings, db, log: bool = False) -> Callable[[int], None]:
     """Writes a run's HTML report and says where (printed, or logged by the long-running watcher)."""
 
     def report(run_id: int) -> None:
+        from ingest.quality.calibration import grading_thresholds
         from ingest.review.report import write_html_report
 
         try:
             path = write_html_report(db, settings.outbox, run_id, settings.config_file,
-                                     settings.quality.unsure_word_prob)
+                                     grading_thresholds(settings).thresholds.unsure_word_prob)
         except Exception as e:  # the report is a by-product: never fail a finished run over it
             logger.warning("could not write the HTML report: {}", e)
             return
@@ -120,10 +121,11 @@ def cmd_report(settings: Settings, args: argparse.Namespace) -> int:
     if not args.no_html and rep["run"] is not None:
         settings.outbox.mkdir(parents=True, exist_ok=True)
         if args.json:
+            from ingest.quality.calibration import grading_thresholds
             from ingest.review.report import write_html_report
 
             write_html_report(db, settings.outbox, rep["run"]["id"], settings.config_file,
-                              settings.quality.unsure_word_prob)
+                              grading_thresholds(settings).thresholds.unsure_word_prob)
         else:
             _report(settings, db)(rep["run"]["id"])
     return ExitCode.OK
@@ -180,6 +182,7 @@ def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
     from db.session import Database
     from ingest.commands.status import collect_status, format_status
     from ingest.ledger.health import format_trouble, read_trouble
+    from ingest.quality.calibration import grading_thresholds
 
     ledger = masked_url(settings.database_url)
     trouble = read_trouble(settings.logs)  # written by the watchers of this machine: readable with the ledger down
@@ -198,6 +201,8 @@ def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
         return ExitCode.INFRASTRUCTURE
     st["ledger"] = ledger
     st["infrastructure"] = trouble
+    grading = grading_thresholds(settings)
+    st["grades"] = {"calibrated": grading.calibrated, "model": grading.model, "summary": grading.summary()}
     print(json.dumps(st) if args.json else f"ledger: {st['ledger']}\n" + format_status(st))
     return ExitCode.OK
 
@@ -214,8 +219,36 @@ def cmd_check(settings: Settings, args: argparse.Namespace) -> int:
     return result["exit_code"]
 
 
+def cmd_calibrate(settings: Settings, args: argparse.Namespace) -> int:
+    from ingest.calibration.calibrate import calibrate, format_calibration
+
+    budget_pages, budget_s = parse_budget(args.budget)
+    if args.max_batch:
+        settings.engine.max_batch = args.max_batch
+    elif settings.engine.max_batch == "auto" and not settings.model.device.startswith("cuda"):
+        import torch
+
+        if settings.model.device == "cpu" or not torch.cuda.is_available():
+            settings.engine.max_batch = 16  # one row a step costs nearly as much as sixteen on a CPU
+    record, path = calibrate(settings, args.docs, budget_pages, budget_s, Path(args.work) if args.work else None)
+    print(format_calibration(record, path))
+    return ExitCode.OK
+
+
+def parse_budget(text: str | None) -> tuple[int, float]:
+    """``--budget``: (pages, seconds), one of them 0: "200" pages, "600s" seconds."""
+    if not text:
+        return 0, 0.0
+    try:
+        if text.endswith("s"):
+            return 0, float(text[:-1])
+        return int(text.removesuffix("p")), 0.0
+    except ValueError:
+        raise UsageError(f"--budget {text!r}: pages (200) or seconds (600s)") from None
+
+
 COMMANDS = {"watch": cmd_watch, "run": cmd_run, "status": cmd_status, "report": cmd_report, "rerun": cmd_rerun,
-            "diff": cmd_diff, "windows-task": cmd_windows_task, "check": cmd_check}
+            "diff": cmd_diff, "windows-task": cmd_windows_task, "check": cmd_check, "calibrate": cmd_calibrate}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,6 +60,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--limit", type=int, default=20, help="how many failures to list")
 
+    cal = sub.add_parser("calibrate", help="choose the page grades' thresholds for the configured model on a labelled "
+                                           "ladder and write them beside it (calibration.json); resumable")
+    cal.add_argument("--docs", type=int, metavar="N",
+                     help="ladder documents of 1-4 pages, half of them held out (default: 360 on a GPU, 40 on a CPU)")
+    cal.add_argument("--budget", metavar="N|Ns",
+                     help="stop after N pages (200) or N seconds (600s), keep what is read and fit on it; a next run "
+                          "goes on where this one stopped")
+    cal.add_argument("--max-batch", type=int, metavar="N",
+                     help="chunks decoding together (default: engine.max_batch; 16 on a CPU when that is auto)")
+    cal.add_argument("--work", metavar="DIR", help="where the ladder's readings are cached (default: "
+                                                   "var/calibration/<model identity> beside the config)")
+    cal.add_argument("--device", help=dev)
+
     c = sub.add_parser("check", help="check the set-up of this machine: the ledger (reachable, schema version), "
                                      "the folders and the model; changes nothing")
     c.add_argument("--json", action="store_true", help="print one JSON object")

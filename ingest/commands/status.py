@@ -68,6 +68,8 @@ def format_status(st: dict[str, Any]) -> str:
         f"duplicates: {st['duplicates']}   rejected files: {st['rejected']}",
         *format_trouble(st.get("infrastructure") or []),  # the watchers' trouble with the ledger or the machine
     ]
+    if st.get("grades"):  # added by the CLI: whether the configured model's grades are calibrated for it
+        lines.append(f"grades:    {st['grades']['summary']}")
     for d in st["waiting_documents"]:
         lines.append(f"waiting:   #{d['id']} {d['name']}: {d['pages_decoded']}/{d['page_count']} pages decoded "
                      f"({d['status']})")

@@ -11,6 +11,7 @@ body{font:14px/1.45 system-ui,sans-serif;margin:0;color:#1d1d1d;background:#fafa
 header.top{position:sticky;top:0;z-index:5;background:#fff;border-bottom:1px solid #bbb;padding:.6em 1.2em}
 header.top h1{font-size:1.15em;margin:0 0 .3em}
 .bar{display:flex;flex-wrap:wrap;gap:.4em;align-items:center}
+.warn{background:#fff3cd;border:1px solid #b80;padding:.3em .6em;margin:.3em 0}
 .bar button,.page button{font:inherit;padding:.2em .6em;border:1px solid #888;border-radius:4px;background:#f4f4f4;
  cursor:pointer}
 .bar button[aria-pressed=true]{background:#224;color:#fff}

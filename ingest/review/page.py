@@ -192,6 +192,7 @@ def render_html(rep: dict[str, Any], images: dict[int, str] | None = None, confi
              f"<body data-filter='all' data-rerun='{e(rerun)}'>",
              f"<header class='top'><h1>uflash run {r.get('id')} &middot; {e(str(r.get('mode')))} &middot; "
              f"{e(str(r.get('model')))} <small>{e(run_span(r)) if r else ''}</small></h1>",
+             f"<p class='warn' role='alert'>{e(rep['not_calibrated'])}</p>" if rep.get("not_calibrated") else "",
              f"<div class='bar' role='toolbar' aria-label='show pages'>{buttons} "
              f"<span>showing <span id='shown'>{rep['pages']}</span> pages</span></div>",
              "<div class='bar' role='toolbar' aria-label='re-run'>"

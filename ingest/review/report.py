@@ -17,6 +17,7 @@ from db.runs import get_run, latest_run_with_pages, run_pages
 from db.session import Database
 from ingest.errors import UsageError
 from ingest.pages.orientation import page_turn
+from ingest.quality.calibration import NOT_CALIBRATED, uncalibrated_pages
 from ingest.review.assets import REVIEW_PX, THUMB_PX
 from ingest.review.page import page_images, render_html, repair_note, run_span
 
@@ -52,12 +53,14 @@ def collect_report(db: Database, run_id: int | None = None, grade: str | None = 
             "quality": q, "repair": st.get("repair"), "word_confidence": st.get("word_confidence"),
             "text": page.text})
     n_pages = sum(len(d["pages"]) for d in docs.values())
+    uncalibrated = uncalibrated_pages([p["quality"] for d in docs.values() for p in d["pages"]])
     return {"run": {"id": run.id, "mode": run.mode, "model": run.model, "started_at": run.started_at.isoformat(),
                     "finished_at": run.finished_at.isoformat() if run.finished_at else None,
                     "end_reason": run.end_reason, "owner": run.owner, "settings": run.settings,
                     "pages_per_hour": pages_per_hour(len(rows), run.started_at,
                                                    max((p.created_at for p, _ in rows), default=None))},
-            "documents": list(docs.values()), "pages": n_pages, "grades": grades}
+            "documents": list(docs.values()), "pages": n_pages, "grades": grades,
+            "not_calibrated": NOT_CALIBRATED.format(n=uncalibrated) if uncalibrated else None}
 
 
 def pages_per_hour(pages: int, started: datetime | None, last_page: datetime | None) -> float | None:
@@ -79,6 +82,8 @@ def format_report(rep: dict[str, Any]) -> str:
     rate = f" ({r['pages_per_hour']:,.0f} pages/hour)" if r.get("pages_per_hour") else ""
     lines = [f"run {r['id']} ({r['mode']}, {r['model']}; {run_span(r)}): {rep['pages']} pages{rate}  "
              + "  ".join(f"{g} {n}" for g, n in sorted(rep["grades"].items()))]
+    if rep.get("not_calibrated"):
+        lines.append(rep["not_calibrated"])
     for d in rep["documents"]:
         lines += ["", f"#{d['id']} {d['name']} ({d['page_count']} pages)",
                   f"  {'page':>4}  {'grade':<5}  {'finish':<14} {'tau':>6} {'tok/s':>8}  reasons"]

@@ -24,6 +24,7 @@ from ingest.config import Settings
 from ingest.errors import infrastructure_problem
 from ingest.files import file_away
 from ingest.outputs.write import holds_another_document, output_folder, write_document_outputs
+from ingest.quality.calibration import grading_thresholds
 from ingest.quality.grades import grade_document, plain_text
 
 
@@ -112,12 +113,14 @@ class Finisher:
         logger.error("{}: {}", doc.original_name, reason)
 
     def _grade(self, pages: list[Page]) -> None:
-        """Grade the document's latest pages against each other (ingest.quality.grades); store grade and reasons in
-        their stats."""
+        """Grade the document's latest pages against each other (ingest.quality.grades) with the thresholds of the
+        model this worker decodes with (its calibration, ingest.quality.calibration); store grade, reasons and whether
+        the thresholds were calibrated for the model in their stats."""
+        grading = grading_thresholds(self.settings)
         graded = grade_document([{**(p.stats.get("quality") or {}), "plain": plain_text(p.text),
-                                  "chunk_id": p.chunk_id} for p in pages], self.settings.quality.thresholds())
+                                  "chunk_id": p.chunk_id} for p in pages], grading.thresholds)
         for p, q in zip(pages, graded):
-            p.stats = {**p.stats, "quality": q}
+            p.stats = {**p.stats, "quality": {**q, "calibration": grading.stamp()}}
         set_page_stats(self.db, {p.id: p.stats for p in pages})
 
 

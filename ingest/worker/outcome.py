@@ -24,6 +24,7 @@ from db.session import Database
 from engine.chunk_output import ChunkOutput
 from ingest.config import Settings
 from ingest.pages.prepare import PreparedChunk, Unreadable
+from ingest.quality.calibration import grading_thresholds
 from ingest.quality.repair import chunk_page_stats, repair_chunk
 
 WHY_CUT = {"context_limit": "output reached the context limit; ",
@@ -61,7 +62,7 @@ def checked_stats(settings: Settings, chunk: PreparedChunk, out: ChunkOutput, to
     """Each kept page's stats (ingest.quality.repair: its figures, word confidences, the chunk's checks); the pages
     caught by the checks are decoded again alone (``decode_alone(images, references)``) and the better reading kept
     (``quality.repair``, on by default). ``out.pages`` is updated in place."""
-    t = settings.quality.thresholds()
+    t = grading_thresholds(settings).thresholds
     images, layers = [p.image for p in chunk.pages], [p.text_layer for p in chunk.pages]
     first = chunk.pages[0].index if chunk.pages else 1
     turned = any(choice.turn for choice in chunk.turned.values())  # the print of a turned page is measured again

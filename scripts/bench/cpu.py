@@ -2,7 +2,7 @@
 
 Pages: a synthetic PDF (pymupdf, with a text layer) rendered by `ingest.pages.render.render_pages`; one chunk of
 ``--pages`` pages (1 page: single prompt, else multi). With ``--synth N``: N held-out documents of the demo
-model's generator (scripts/synth, seeds 860,000+, never trained on), each a PDF with a text layer decoded as
+model's generator (ingest/synth, seeds 860,000+, never trained on), each a PDF with a text layer decoded as
 ``--pages``-page chunks; figures are summed over the N (the demo model's CPU benchmark: ``--synth 20``).
 Runs, each checked token for token against official:
 - official         transformers generate() (engine.official)
@@ -79,13 +79,13 @@ def best_of(repeat: int, run):
     return result, seconds
 
 
-SYNTH_SEED0 = 860_000  # held out (< scripts.synth.HELD_OUT_LIMIT); eval uses 800,000+, the drafter 850,000+
+SYNTH_SEED0 = 860_000  # held out (< ingest.synth.documents.HELD_OUT_LIMIT); eval uses 800,000+, the drafter 850,000+
 
 
 def synth_jobs(n_docs: int, n_pages: int, tmp: Path) -> list[tuple[list, list[str]]]:
     """(images, text layers) of ``n_docs`` held-out demo-generator documents of ``n_pages`` pages each."""
     from ingest.pages.render import render_pages
-    from scripts.synth import make_document
+    from ingest.synth.documents import make_document
 
     jobs = []
     for k in range(n_docs):

@@ -1,6 +1,6 @@
 """What `fast` mode costs and saves, and what a lossless re-run after it costs, through the real pipeline.
 
-On N synthetic pages (scripts.synth.make_document, held-out seeds < 1,000,000, PDFs with a text layer, or with
+On N synthetic pages (ingest.synth.documents.make_document, held-out seeds < 1,000,000, PDFs with a text layer, or with
 ``--scan`` image-only scan-like PDFs: no text layer, so no reference drafts, as with an archive's scans), each
 in its own ledger and folders under a temporary directory, with one model loaded once and shared:
 1. ``lossless``: a first run (intake, chunks, worker, outputs), timed;
@@ -33,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-from scripts.synth import HELD_OUT_LIMIT, make_document
+from ingest.synth.documents import HELD_OUT_LIMIT, make_document
 
 DEFAULT_SEED = 770_001  # held out: below HELD_OUT_LIMIT, never used for training
 
@@ -74,7 +74,7 @@ def cer_to_labels(texts: dict, labels: dict) -> float:
     collapsed): how close each pass is to the truth, not to the other pass."""
     from rapidfuzz.distance import Levenshtein
 
-    from scripts.synth import strip_markup
+    from ingest.synth.documents import strip_markup
 
     edits = chars = 0
     for (name, i), text in texts.items():

@@ -1,6 +1,6 @@
 """Pages per hour through the whole pipeline: ``uflash run`` over synthetic documents, at each ``--max-batch``.
 
-Documents: ``--docs`` held-out synthetic PDFs (``scripts.synth.make_document``, seeds from ``--seed0`` below
+Documents: ``--docs`` held-out synthetic PDFs (``ingest.synth.documents.make_document``, seeds from ``--seed0`` below
 1,000,000) of ``--doc-pages`` pages each (``A-B``: drawn per document between A and B), image-only with ``--scan``
 (no text layer: the block drafter's case). For each mode in ``--mode`` and each ``engine.max_batch`` in
 ``--max-batch`` (e.g. ``1,auto``) a fresh ledger, inbox and outbox, then one ``uflash run`` of every document in a
@@ -39,8 +39,6 @@ from concurrent.futures import ProcessPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
-from sqlalchemy.exc import SQLAlchemyError
-
 from db.runs import get_run, latest_run_with_pages, run_pages
 from db.session import Database
 from ingest.config import load_settings
@@ -56,7 +54,7 @@ def page_counts(spec: str, docs: int, seed0: int) -> list[int]:
 
 
 def write_documents(folder: Path, docs: int, pages: str, seed0: int, scan: bool, ladder: bool = False) -> list[Path]:
-    from scripts.synth import HELD_OUT_LIMIT
+    from ingest.synth.documents import HELD_OUT_LIMIT
 
     if seed0 + docs > HELD_OUT_LIMIT:
         raise SystemExit(f"held-out seeds must stay below {HELD_OUT_LIMIT:,}")
@@ -70,8 +68,8 @@ def write_documents(folder: Path, docs: int, pages: str, seed0: int, scan: bool,
 
 
 def write_document(path: Path, seed: int, pages: int, scan: bool, ladder: bool) -> Path:
-    from scripts.synth import make_document
-    from scripts.synth.ladder import ladder_document
+    from ingest.synth.documents import make_document
+    from ingest.synth.ladder import ladder_document
 
     if not (path.is_file() and path.stat().st_size):  # --docs-dir: made once, reused by later calls
         path.write_bytes(ladder_document(seed)[0] if ladder else make_document(seed, pages, scan=scan)[0])
@@ -130,7 +128,7 @@ def one_setting(args, documents: list[Path], max_batch: str, mode: str, work: Pa
         run_id = latest_run_with_pages(db)
         pages = run_pages(db, run_id) if run_id is not None else []
         run = get_run(db, run_id) if run_id is not None else None
-    except SQLAlchemyError as exc:  # the run never made its ledger
+    except Exception as exc:  # the run never made its ledger (db/ raises the driver's error)
         row["ledger_error"] = str(exc)
         return row
     finally:
@@ -210,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--doc-pages", default="4", help="pages a document: N, or A-B (drawn per document)")
     ap.add_argument("--seed0", type=int, default=860_000)
     ap.add_argument("--scan", action="store_true", help="image-only pages (no text layer)")
-    ap.add_argument("--ladder", action="store_true", help="the grades' difficulty ladder instead (scripts.synth.ladder: "
+    ap.add_argument("--ladder", action="store_true", help="the grades' difficulty ladder instead (ingest.synth.ladder: "
                     "1-4 pages, 9-20 pt, scans; most of it the demo model reads badly); --doc-pages is ignored")
     ap.add_argument("--max-batch", default="1,auto")
     ap.add_argument("--docs-at-batch-1", type=int, default=None,

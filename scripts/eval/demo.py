@@ -28,8 +28,8 @@ from pathlib import Path
 
 from rapidfuzz.distance import Levenshtein
 
-from scripts.synth import HELD_OUT_LIMIT, make_document, render_pages, strip_markup
-from scripts.synth.text import paragraph
+from ingest.synth.documents import HELD_OUT_LIMIT, make_document, render_pages, strip_markup
+from ingest.synth.text import paragraph
 
 RENDER_PX = 1024  # ingest/pages/render.py DEFAULT_TARGET_PX (raised to the model's base size when that is larger)
 
@@ -66,7 +66,7 @@ def office_pdf(k: int) -> tuple[bytes, str]:
     return data, text
 
 
-# Plain English sentences, most of whose words are NOT in the generator's word list (scripts/synth/words.txt): the
+# Plain English sentences, most of whose words are NOT in the generator's word list (ingest/synth/words.txt): the
 # "open" sentence set measures reading beyond the training vocabulary.
 OPEN_SENTENCES = [
     "The quick brown fox jumps over the lazy dog near the river bank.",
@@ -82,7 +82,7 @@ def sentence_pdf(text: str) -> bytes:
     """One sentence as a generator-style text element (20 pt Helvetica, A4) on an otherwise empty page."""
     import pymupdf
 
-    from scripts.synth.doc import _place, _wrap_words, draw_page
+    from ingest.synth.doc import _place, _wrap_words, draw_page
 
     doc = pymupdf.open()
     page = doc.new_page(width=595, height=842)
@@ -109,7 +109,7 @@ def list_sentences(n: int, seed: int) -> list[str]:
     """Sentences of the generator itself (its word list, numbers, codes), for the in-vocabulary sentence set."""
     import random
 
-    from scripts.synth.text import sentence
+    from ingest.synth.text import sentence
 
     rng = random.Random(seed)
     return [sentence(rng, rng.randint(7, 11)) for _ in range(n)]

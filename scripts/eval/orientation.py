@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", help="folder of real scans: report the stripe ratio of each page")
     ap.add_argument("--json", help="also write the record here")
     args = ap.parse_args(argv)
-    from scripts.synth import make_document, render_pages
+    from ingest.synth.documents import make_document, render_pages
 
     config = OrientationSettings(probe_tokens=args.probe_tokens, min_gain=args.min_gain)
     decoder = load_decoder(args.model, args.device, args.dtype, args.mode)

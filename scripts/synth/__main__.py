@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pymupdf
 
-from scripts.synth import HELD_OUT_LIMIT, make_document, render_pages
+from ingest.synth.documents import HELD_OUT_LIMIT, make_document, render_pages
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,7 +31,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from scripts.synth import HELD_OUT_LIMIT, PAGE_SEPARATOR  # noqa: E402
+from ingest.synth.documents import HELD_OUT_LIMIT, PAGE_SEPARATOR  # noqa: E402
 from scripts.train import demo_model as dm  # noqa: E402
 from scripts.train.demo_checks import run_check_rswa, run_overfit_test  # noqa: E402
 from scripts.train.demo_data import BatchPrefetcher, PagePool, PageStream, make_batch  # noqa: E402
@@ -154,7 +154,7 @@ def train(args) -> dict:
               dict(params=vis_no_decay, weight_decay=0.0, base=args.lr * args.vision_lr_ratio, vision=True)]
     aux_head = None
     if args.aux_weight > 0:
-        from scripts.synth.text import N_CHAR_CLASSES
+        from ingest.synth.text import N_CHAR_CLASSES
 
         aux_head = dm.AuxHeads(model, N_CHAR_CLASSES).to(device)
         groups.append(dict(params=list(aux_head.parameters()), weight_decay=0.0, base=args.lr))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from scripts.synth import PAGE_SEPARATOR, page_arrays
+from ingest.synth.documents import PAGE_SEPARATOR, page_arrays
 from scripts.train import demo_model as dm
 from scripts.train.demo_data import make_batch
 from scripts.train.demo_heldout import decoded_text, greedy
@@ -98,7 +98,7 @@ def run_overfit_test(steps: int, log) -> bool:
         dm.save_model(model, tokenizer, Path(tmp) / "m", size, dtype=torch.float32)
         from engine.model.load import load_model
         from engine.official import official_generate
-        from scripts.synth import make_document, render_pages
+        from ingest.synth.documents import make_document, render_pages
 
         loaded = load_model(str(Path(tmp) / "m"), device="cpu", dtype="float32")
         pdf, lbls = make_document(WORD_SEEDS[0], 1, kind="words")

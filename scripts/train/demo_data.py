@@ -14,7 +14,7 @@ import threading
 
 import torch
 
-from scripts.synth import page_arrays
+from ingest.synth.documents import page_arrays
 
 
 class PageStream(torch.utils.data.IterableDataset):

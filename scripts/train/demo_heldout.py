@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import torch
 
 from engine.official import official_generation_config
-from scripts.synth import HELD_OUT_LIMIT, PAGE_SEPARATOR, page_arrays, strip_markup
+from ingest.synth.documents import HELD_OUT_LIMIT, PAGE_SEPARATOR, page_arrays, strip_markup
 from scripts.train import demo_model as dm
 from scripts.train.demo_data import make_batch, token_slots
 from scripts.train.demo_loss import loss_fn

@@ -96,7 +96,7 @@ def build_tokenizer(texts: list[str], vocab_size: int, max_token_length: int | N
 
 def tokenizer_corpus(n_docs: int, seed0: int = 700_000_000) -> list[str]:
     """Labels of synthetic pages (training seeds only) at several difficulties, for BPE training."""
-    from scripts.synth import layout_labels
+    from ingest.synth.documents import layout_labels
 
     return [label for k in range(n_docs) for label in layout_labels(seed0 + k, 1, difficulty=(k % 5) / 4)]
 

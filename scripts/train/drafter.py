@@ -9,7 +9,7 @@
 How models/demo/drafter was made, and its figures: docs/drafter_training.md.
 
 1. Pages: your own (`--images DIR`: PDFs, TIFFs, PNGs, JPEGs, rendered as uflash renders them) or synthetic
-   image-only pages (`scripts.synth`, scan effects, training seeds >= 1,000,000; `--workers` render them).
+   image-only pages (`ingest.synth`, scan effects, training seeds >= 1,000,000; `--workers` render them).
 2. Teacher data, one forward per page under the R-SWA mask (`engine.drafters.block_teacher`):
    `--data decode` (the default for your own pages): the target decodes the pages, up to 64 chunks in one batch
    (`plain`, or `lossless` with the `--init` drafter: the same tokens), and the forward over each output must
@@ -56,7 +56,7 @@ DECODE_BATCH = 64  # chunks in flight while decoding teacher pages
 
 
 def _synthetic_page(seed: int):
-    from scripts.synth import make_document, render_pages
+    from ingest.synth.documents import make_document, render_pages
 
     data, labels = make_document(seed, 1, scan=True)
     return render_pages(data, 1024)[0], labels[0]

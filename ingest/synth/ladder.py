@@ -6,7 +6,7 @@ Each seed draws one document (one chunk of 1-4 pages) from the ladder's axes, so
 well and some badly: body size 9-20 pt (it was trained on 15-24 pt), Helvetica / Times / Courier, sparse, normal or
 dense pages, tables or none, words of the generator's list or pseudo-words it cannot recall (``open_words``), and
 born-digital pages (a text layer) or scans (image-only pages with noise, blur and skew of three strengths).
-Same seed -> same document; seeds below ``scripts.synth.HELD_OUT_LIMIT`` were never used in training.
+Same seed -> same document; seeds below ``ingest.synth.documents.HELD_OUT_LIMIT`` were never used in training.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import numpy as np
 import pymupdf
 from PIL import Image, ImageFilter
 
-from scripts.synth import _page_rng, scanned_copy
-from scripts.synth import text as T
-from scripts.synth.doc import PAGE_SIZES, PageBuilder, Style, draw_page, page_label
-from scripts.synth.raster import _noise_field
+from ingest.synth import text as T
+from ingest.synth.doc import PAGE_SIZES, PageBuilder, Style, draw_page, page_label
+from ingest.synth.documents import _page_rng, scanned_copy
+from ingest.synth.raster import _noise_field
 
 SIZES = (9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 16.0, 18.0, 20.0)
 FAMILIES = ("helv", "tiro", "cour")
@@ -60,7 +60,8 @@ def ladder_rung(seed: int) -> Rung:
 def _style(rung: Rung, rng: random.Random) -> Style:
     lo_hi = DENSITY[rung.density] or (60, 200)
     return Style(family=rung.family, body=rung.size, line_gap=rng.uniform(1.15, 1.45), page=rng.choice(PAGE_SIZES),
-                 margin=rng.uniform(40, 80), two_columns=0.25, header=T.phrase(rng, 1, 4) if rng.random() < 0.45 else None,
+                 margin=rng.uniform(40, 80), two_columns=0.25,
+                 header=T.phrase(rng, 1, 4) if rng.random() < 0.45 else None,
                  footer_kind=rng.randrange(5), bullet=rng.choice(["•", "-", "*"]), numbered=rng.choice(["1.", "1)"]),
                  chinese=0.0, density=lo_hi, open_words=rung.open_words)
 

@@ -16,7 +16,7 @@ from functools import lru_cache
 import numpy as np
 import pymupdf
 
-from scripts.synth import text as T
+from ingest.synth import text as T
 
 FAMILIES = {"helv": ("helv", "hebo"), "tiro": ("tiro", "tibo"), "cour": ("cour", "cobo"),
             "cjk": ("china-s", "china-s")}

@@ -1,20 +1,21 @@
-"""Decode the calibration ladder (scripts/synth/ladder.py) as the pipeline decodes it, in one resumable job: the
-first step of ``python -m scripts.eval.grades`` (its ``decode`` command runs ``decode_ladder``).
+"""Decode the calibration ladder (ingest/synth/ladder.py) as the pipeline decodes it, in one resumable job: the
+first step of `uflash calibrate` (ingest.calibration.calibrate) and of ``python -m scripts.eval.grades decode``.
 
 - Documents are drawn and rendered by a pool of processes (``render_document``: the PDF, its pages rendered as the
   pipeline renders them, and the print on each page measured by ``ingest.pages.ink``, as the worker measures it);
 - each document is one chunk of 1-4 pages, decoded by the batched engine (``engine.chunk_decode.EngineDecoder``,
   many chunks in flight); a chunk that comes back short is followed by the chunks the worker would queue
   (``ingest.worker.outcome.requeue_rule``);
-- once a document is read, the pages of its multi-page chunks that the repair checks catch (``ingest.quality.grades.checks``
-  under the loosest thresholds ``table --fit`` may choose, ``LOOSE_INK``) are decoded again alone (the single-page
-  prompt, the same mode): ``ingest.quality.repair`` picks between the two readings when the table is made.
+- once a document is read, the pages of its multi-page chunks that the repair checks catch
+  (``ingest.quality.grades.checks`` under the loosest thresholds the fit may choose, ``LOOSE_INK``) are decoded
+  again alone (the single-page prompt, the same mode): ``ingest.quality.repair`` picks between the two readings when
+  the pages are graded (ingest.calibration.fit).
 
 Writes into its folder, one JSON line per item as each ends (a stop loses only what is in flight; a restart goes on):
 ``decoded.jsonl`` (per document: rung, labels, print measured per page, image sizes, every chunk's pages with their
 text, token ids and log-probabilities), ``repaired.jsonl`` (per page read alone, key ``"seed:page"``), and one line
-per invocation in ``runs.jsonl`` (machine, settings, pages, seconds). It stops by itself ``--budget-s`` seconds after
-its start, keeping what is done.
+per invocation in ``runs.jsonl`` (machine, settings, pages, seconds). It stops by itself ``budget_s`` seconds after
+its start, or once ``budget_pages`` pages are read, keeping what is done; a progress bar (tqdm) counts the pages.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-SEED0 = 600_000  # below scripts.synth.HELD_OUT_LIMIT: never used in training
+SEED0 = 600_000  # below ingest.synth.documents.HELD_OUT_LIMIT: never used in training
 TOKENS_PER_PAGE = 2500  # the demo model writes ~1 token per character; the ladder's densest page has ~1,400
 # the text-vs-ink thresholds ``table --fit`` tries for the poor rules (and so for the repair checks)
 INK_SHORT_GRID = (0.3, 0.4, 0.5, 0.6)
@@ -47,7 +48,7 @@ def render_document(seed: int) -> tuple[dict[str, Any], list]:
     pipeline renders PDFs, with the print on each page measured (``ingest.pages.ink``)."""
     from ingest.pages.ink import ink_text
     from ingest.pages.render import render_pages
-    from scripts.synth.ladder import ladder_document
+    from ingest.synth.ladder import ladder_document
 
     pdf, labels, rung = ladder_document(seed)
     with tempfile.TemporaryDirectory() as tmp:
@@ -154,13 +155,16 @@ def environment(decoder) -> dict[str, Any]:
 
 def decode_ladder(folder: Path, model: str, docs: int, seed0: int = SEED0, device: str = "auto", dtype: str = "auto",
                   mode: str = "plain", max_batch: int | str = 64, procs: int = 0, budget_s: float = 0.0,
-                  tokens_per_page: int = TOKENS_PER_PAGE, context_limit: int = 32768, every_s: float = 10.0,
-                  decoder=None) -> dict:
+                  tokens_per_page: int = TOKENS_PER_PAGE, context_limit: int = 32768, budget_pages: int = 0,
+                  progress: bool = True, decoder=None) -> dict:
     """Decode documents ``seed0 .. seed0 + docs - 1`` into ``folder`` (see the module); returns the run's record.
     ``decoder``: one with ``EngineDecoder``'s submit / poll interface instead of the model's (tests)."""
     from dataclasses import replace
 
-    from scripts.synth import HELD_OUT_LIMIT
+    from tqdm import tqdm
+
+    from ingest.synth.documents import HELD_OUT_LIMIT
+    from ingest.synth.ladder import ladder_rung
 
     t0 = time.perf_counter()
     folder.mkdir(parents=True, exist_ok=True)
@@ -169,7 +173,7 @@ def decode_ladder(folder: Path, model: str, docs: int, seed0: int = SEED0, devic
     done_alone = {r["key"] for r in read_lines(alone_path) if "key" in r}
     seeds = [s for s in range(seed0, seed0 + docs) if s not in done_docs]
     if seed0 + docs > HELD_OUT_LIMIT:
-        raise SystemExit("ladder seeds must stay below scripts.synth.HELD_OUT_LIMIT (never used in training)")
+        raise ValueError("ladder seeds must stay below ingest.synth.documents.HELD_OUT_LIMIT (never used in training)")
     procs = procs or max(1, min(15, (os.cpu_count() or 2) - 1))
     # the pool starts before torch does anything (spawned processes: no CUDA state copied)
     pool = mp.get_context("spawn").Pool(procs, initializer=_render_worker_init)
@@ -185,8 +189,11 @@ def decode_ladder(folder: Path, model: str, docs: int, seed0: int = SEED0, devic
     # documents read earlier whose caught pages still wait for their reading alone (a stop between the two)
     unfinished = [s for s, d in sorted(done_docs.items())
                   if any(alone_key(s, p) not in done_alone for p in caught_pages(d, page_images(d), tokenizer, loose))]
-    print(f"{len(done_docs)} documents read earlier ({len(unfinished)} with pages still to read alone), "
-          f"{len(seeds)} to read; {procs} render processes; engine {decoder.describe()}", flush=True)
+    done_pages = sum(d["rung"]["pages"] for d in done_docs.values())
+    bar = tqdm(total=done_pages + sum(ladder_rung(s).pages for s in seeds), initial=done_pages, unit="page",
+               desc="ladder", disable=not progress, mininterval=1.0)
+    bar.write(f"{len(done_docs)} documents read earlier ({len(unfinished)} with pages still to read alone), "
+              f"{len(seeds)} to read; {procs} render processes; engine {decoder.describe()}")
     rendered = pool.imap_unordered(render_document, unfinished + seeds)
     to_render = len(unfinished) + len(seeds)
 
@@ -196,7 +203,6 @@ def decode_ladder(folder: Path, model: str, docs: int, seed0: int = SEED0, devic
     counts = {"documents": 0, "pages": 0, "alone": 0, "tokens": 0}
     stopped = None
     t_load = time.perf_counter() - t0
-    t_last = time.perf_counter()
 
     def queue_alone(seed: int, doc: dict[str, Any], imgs: list) -> None:
         for p in caught_pages(doc, imgs, tokenizer, loose):
@@ -224,6 +230,9 @@ def decode_ladder(folder: Path, model: str, docs: int, seed0: int = SEED0, devic
         while True:
             if budget_s and time.perf_counter() - t0 > budget_s:
                 stopped = f"time budget of {budget_s:.0f} s reached"
+                break
+            if budget_pages and counts["pages"] >= budget_pages:
+                stopped = f"budget of {budget_pages} pages reached"
                 break
             while to_render and decoder.free_rows > len(waiting):
                 if not take(block=not decoder.busy and not waiting):
@@ -265,17 +274,17 @@ def decode_ladder(folder: Path, model: str, docs: int, seed0: int = SEED0, devic
                     doc_sink.flush()
                     counts["documents"] += 1
                     counts["pages"] += doc["rung"]["pages"]
+                    bar.update(doc["rung"]["pages"])
                     queue_alone(seed, doc, images.pop(seed))
                     del docs_open[seed]
-            if time.perf_counter() - t_last >= every_s:
-                t_last = time.perf_counter()
-                _progress(t0, t_load, counts, decoder, len(waiting), to_render)
+            bar.set_postfix(alone=counts["alone"], rows=decoder.engine.active, refresh=False)
     dropped = decoder.abandon() if decoder.busy else []
     pool.terminate()
-    _progress(t0, t_load, counts, decoder, len(waiting), to_render)
+    bar.close()
     total = read_lines(decoded_path)
     record = {"args": {"model": model, "docs": docs, "seed0": seed0, "mode": mode, "max_batch": max_batch,
-                       "procs": procs, "budget_s": budget_s, "tokens_per_page": tokens_per_page},
+                       "procs": procs, "budget_s": budget_s, "budget_pages": budget_pages,
+                       "tokens_per_page": tokens_per_page},
               "environment": environment(decoder), "this_run": {**counts, "seconds": round(time.perf_counter() - t0, 1),
                                                                "load_seconds": round(t_load, 1),
                                                                "stopped": stopped, "dropped_in_flight": len(dropped)},
@@ -284,17 +293,8 @@ def decode_ladder(folder: Path, model: str, docs: int, seed0: int = SEED0, devic
                             "read_alone": len(read_lines(alone_path))}}
     with (folder / "runs.jsonl").open("a", encoding="utf-8") as sink:
         sink.write(json.dumps(record) + "\n")
-    print(("stopped: " + stopped if stopped else "done") + "; " + json.dumps(record), flush=True)
     return record
 
 
 def _line(item: dict[str, Any]) -> str:
     return json.dumps(item, ensure_ascii=False, separators=(",", ":")) + "\n"
-
-
-def _progress(t0: float, t_load: float, counts: dict, decoder, waiting: int, to_render: int) -> None:
-    s = time.perf_counter() - t0
-    busy = max(s - t_load, 1e-6)
-    print(f"{s:6.0f} s: {counts['documents']} documents, {counts['pages']} pages ({counts['pages'] / busy:.2f} "
-          f"pages/s), {counts['alone']} pages read alone, {counts['tokens'] / busy:.0f} tokens/s; rows in flight "
-          f"{decoder.engine.active}, queued {waiting + len(decoder.engine.pending)}, to render {to_render}", flush=True)

@@ -1,7 +1,7 @@
 """Text sources for synthetic documents: English-like word sequences and some Chinese.
 
 `words.txt` (committed) holds ~3,000 words with counts, built once from Python standard-library
-docstrings (`python -m scripts.synth.text --build-words`), so the generator does not depend on the
+docstrings (`python -m ingest.synth.text --build-words`), so the generator does not depend on the
 Python version of the machine it runs on. Chinese comes from a built-in list of common characters.
 Word order is random (weighted by frequency): a decoder cannot guess the next word from a text prior,
 it has to read it, while frequent words still become single BPE tokens.
