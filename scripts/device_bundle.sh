@@ -2,7 +2,7 @@
 # What an offline GPU machine needs beside the tree, built into .dev/ (ignored through .git/info/exclude), for a
 # Python 3.12 image with torch, triton, Pillow and psutil but a transformers too old for Unlimited-OCR:
 #   site_core.tar.xz  transformers 5.24 cut to the model folders Unlimited-OCR imports, loguru, sqlalchemy, pydantic,
-#                     pydantic-settings, watchdog, pytest (~6 MB)
+#                     pydantic-settings, watchdog, rapidfuzz, pytest (~8 MB)
 #   site_pdf.tar.xz   pymupdf, for calls that render PDFs (the pipeline) (~18 MB)
 #   site_extra.tar.xz lxml and tqdm, for calls that run `uflash run` with ALTO output (~3 MB)
 #   demo.tar.xz       models/demo with its drafter stored in bf16 for the trip (the engine casts it to the model's
@@ -23,7 +23,7 @@ download() {
 if [ ! -f .dev/site_core.tar.xz ]; then
     download transformers==5.24.0 loguru==0.7.3 sqlalchemy==2.0.44 pydantic==2.12.5 pydantic-core==2.41.5 \
         pydantic-settings==2.12.0 python-dotenv==1.2.1 typing-inspection==0.4.2 annotated-types==0.7.0 \
-        watchdog==6.0.0 pytest==8.4.2 pluggy==1.6.0 iniconfig==2.1.0
+        watchdog==6.0.0 rapidfuzz==3.14.6 pytest==8.4.2 pluggy==1.6.0 iniconfig==2.1.0
     for w in "$tmp"/wheels/*.whl; do python3 -m zipfile -e "$w" "$tmp/core"; done
     keep="auto unlimited_ocr deepseek_ocr2 got_ocr2 clip sam deepseek_v2 deepseek_v3 llama deepseek_vl
           deepseek_vl_hybrid siglip qwen2 encoder_decoder"
