@@ -224,6 +224,7 @@ def test_a_box_and_its_text_light_up_together(browser):
     assert "hl" in text.get_attribute("class")
     ActionChains(browser).move_to_element(browser.find_element("css selector", "header.top h1")).perform()
     assert "hl" not in text.get_attribute("class")
+    browser.execute_script("arguments[0].scrollIntoView({block:'center'})", text)  # clear of the sticky header
     text.click()  # focus from the text side (it is focusable)
     browser.execute_script("arguments[0].focus()", text)
     assert "hl" in rect.get_attribute("class")
