@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from datetime import datetime
 
 from sqlalchemy import func, select
 
@@ -61,8 +62,12 @@ def test_max_batch_4_gives_the_texts_of_max_batch_1(tmp_path, tiny_model_dir):
         texts[max_batch] = {(name, i): text for name, i, text, _ in pages}
         rows[max_batch] = [st["batch_rows"] for *_, st in pages]
         rep = collect_report(db)
-        assert rep["run"]["pages_per_hour"] > 0 and f"{rep['run']['pages_per_hour']:,.0f} pages/hour" in \
-            format_report(rep).splitlines()[0]
+        with db.session() as ss:  # 12 pages from the run's start to its last stored page
+            last_page = ss.scalar(select(func.max(Page.created_at)))
+        started = datetime.fromisoformat(rep["run"]["started_at"])
+        hours = (last_page.replace(tzinfo=None) - started.replace(tzinfo=None)).total_seconds() / 3600
+        assert rep["run"]["pages_per_hour"] == round(12 / hours, 1)
+        assert f"{rep['run']['pages_per_hour']:,.0f} pages/hour" in format_report(rep).splitlines()[0]
         db.dispose()
     assert len(texts[4]) == 12 and texts[4] == texts[1]
     assert set(rows[1]) == {1} and max(rows[4]) > 1, rows

@@ -56,13 +56,19 @@ def test_uflash_run_end_to_end(tmp_path, tiny_model_dir, ledger_url):
     r = uflash("--config", str(cfg), "run", *map(str, files), timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     expected = {"one": 1, "seven": 7, "scan": 3, "photo": 1}
+    with Database(s.database_url).session() as ss:
+        stored_pages = {(Path(name).stem, i): (text, boxes) for name, i, text, boxes in ss.execute(
+            select(Document.original_name, Page.page_index, Page.text, Page.boxes)
+            .join(Document, Document.id == Page.document_id))}
+    assert len(stored_pages) == sum(expected.values()) and any(text for text, _ in stored_pages.values())
     for stem, n in expected.items():
         out = s.outbox / stem
         doc = json.loads((out / "document.json").read_text(encoding="utf-8"))
         assert [p["index"] for p in doc["pages"]] == list(range(1, n + 1))
         for p in doc["pages"]:
             assert {"finish_reason", "tokens", "seconds"} <= set(p["stats"])
-            assert isinstance(p["text"], str) and isinstance(p["boxes"], list)
+            stored = stored_pages[(stem, p["index"])]  # document.json says what the ledger holds, page for page
+            assert (p["text"], p["boxes"]) == stored
         assert doc["run"]["mode"] == "lossless" and doc["document"]["page_count"] == n  # the default mode
         assert (out / "document.md").read_text(encoding="utf-8").count("<!-- page ") == n
         with pymupdf.open(out / "document.pdf") as searchable:  # the scan with the text over it, page for page
