@@ -85,6 +85,26 @@ def ids_of(tokenizer, text):
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def test_a_tokenizer_whose_tokens_decode_without_their_spaces_still_gives_each_word_its_token_quickly():
+    """A word-level tokenizer (the stand-in's: a token decoded alone has no space, the whole text has one between
+    words) takes the character alignment: each word gets exactly its own token's probability, and a page of 1,000
+    words takes well under a second (the alignment is not quadratic)."""
+    import time
+
+    from ingest.reading.confidence import word_confidences
+    from scripts.standin.vocab import build_tokenizer
+
+    tok = build_tokenizer(4000)
+    ids = list(range(200, 1200))
+    text = tok.decode(ids)
+    assert text.count(" ") == len(ids) - 1
+    logprobs = [-0.01 * (k % 7) for k in range(len(ids))]
+    t0 = time.perf_counter()
+    conf = word_confidences(text, ids, logprobs, tok)
+    assert time.perf_counter() - t0 < 1.0
+    assert conf == [round(math.exp(lp), 4) for lp in logprobs]
+
+
 def test_a_planted_low_probability_token_gives_its_word_the_lowest_confidence(tokenizer):
     from ingest.reading.confidence import char_tokens, token_bytes, word_confidences
 

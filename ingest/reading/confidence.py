@@ -13,16 +13,19 @@ Tokens to characters: each token's bytes (byte-level BPE pieces through the byte
 ``<|det|>`` or ``<td>`` as their text, begin/end/pad tokens as nothing; any other tokenizer: the token decoded
 alone) are fed to an incremental UTF-8 decoder, so a character split over two tokens belongs to both. The text
 so rebuilt is matched to the stored page text (which was stripped), exactly where it can be, else character by
-character (difflib) when the decoder's text differs (e.g. a tokenizer that cleans up spaces).
+character (rapidfuzz's alignment, linear in practice; a page of 5,000 characters in milliseconds) when the
+decoder's text differs (e.g. a tokenizer that cleans up spaces, or one that decodes a token alone without the space
+the whole text puts before it).
 """
 
 from __future__ import annotations
 
 import codecs
-import difflib
 import math
 from functools import lru_cache
 from typing import Any
+
+from rapidfuzz.distance import Indel
 
 from ingest.reading.words import page_words
 
@@ -86,9 +89,9 @@ def _text_to_decoded(text: str, decoded: str) -> list[int | None]:
     if at >= 0:
         return list(range(at, at + len(text)))
     pos: list[int | None] = [None] * len(text)
-    for a, b, n in difflib.SequenceMatcher(None, decoded, text, autojunk=False).get_matching_blocks():
-        for d in range(n):
-            pos[b + d] = a + d
+    for tag, a0, a1, b0, _ in Indel.opcodes(decoded, text):
+        if tag == "equal":
+            pos[b0:b0 + a1 - a0] = range(a0, a1)
     return pos
 
 
