@@ -138,14 +138,16 @@ class EngineDecoder:
         return self.engine.busy
 
     def submit(self, key: Any, images: list, context_limit: int, max_new_tokens: int | None = None,
-               reference_texts: list[str] | None = None, replay_ids: list[int] | None = None) -> ChunkOutput | None:
+               reference_texts: list[str] | None = None, replay_ids: list[int] | None = None,
+               inputs: Any = None) -> ChunkOutput | None:
         """Queue a chunk; returns its output at once when it cannot be decoded (no room under the context limit),
-        else None (``poll`` hands it back when it ends)."""
+        else None (``poll`` hands it back when it ends). ``inputs``: the processor's outputs for ``images``, when
+        they were built already (`BatchEngine.prepare`)."""
         n = len(images)
         budget = token_budget(self.loaded, n, context_limit, max_new_tokens)
         if budget is None:
             return no_room(n, context_limit)
-        request = self.engine.prepare(images, budget[0], key, reference_texts, replay_ids)
+        request = self.engine.prepare(images, budget[0], key, reference_texts, replay_ids, inputs)
         self._limits[id(request)] = budget[1]
         self.engine.submit(request)
         return None

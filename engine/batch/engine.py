@@ -110,14 +110,16 @@ class BatchEngine:
         self.fit_rows()
 
     def prepare(self, images: list, max_new_tokens: int, key: Any = None, reference_texts: list[str] | None = None,
-                replay_ids: list[int] | None = None) -> ChunkRequest:
+                replay_ids: list[int] | None = None, inputs: Any = None) -> ChunkRequest:
         """A chunk of ``images`` (1 page: the single-page prompt, else the multi-page one) to decode up to
-        ``max_new_tokens``; the processor runs here, on the caller's thread."""
+        ``max_new_tokens``; the processor runs here, on the caller's thread, unless ``inputs`` holds its outputs for
+        these images already (``engine.official.chunk_inputs``, built elsewhere: a page-preparation process)."""
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         kind = "single" if len(images) == 1 else "multi"
-        return ChunkRequest(key, chunk_inputs(self.loaded, images, kind), kind, len(images), max_new_tokens,
-                            reference_texts, replay_ids)
+        if inputs is None:
+            inputs = chunk_inputs(self.loaded, images, kind)
+        return ChunkRequest(key, inputs, kind, len(images), max_new_tokens, reference_texts, replay_ids)
 
     def submit(self, request: ChunkRequest) -> None:
         self.pending.append(request)

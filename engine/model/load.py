@@ -142,7 +142,7 @@ def load_model(path: str, device: str = "auto", dtype: str = "auto") -> LoadedMo
         model=model, processor=processor, tokenizer=tok, device=dev, dtype=dt,
         name=str(path) if not Path(str(path)).exists() else folder.name, path=str(folder),
         image_token_id=config.image_token_id,
-        bos_token_id=text_cfg.bos_token_id if text_cfg.bos_token_id is not None else tok.bos_token_id,
+        bos_token_id=_bos_token_id(config, tok),
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
         pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else text_cfg.pad_token_id,
         page_sep_id=page_sep_id, sliding_window=text_cfg.sliding_window,
@@ -150,3 +150,30 @@ def load_model(path: str, device: str = "auto", dtype: str = "auto") -> LoadedMo
     logger.info("loaded {} from {} on {} ({}) in {:.1f}s", loaded.name, folder, dev, dt,
                 time.perf_counter() - start)
     return loaded
+
+
+def _bos_token_id(config: Any, tokenizer: Any) -> int | None:
+    text_cfg = config.text_config
+    return text_cfg.bos_token_id if text_cfg.bos_token_id is not None else tokenizer.bos_token_id
+
+
+@dataclass
+class PageProcessor:
+    """What ``engine.official.chunk_inputs`` needs of a model to build a chunk's inputs: its processor and its BOS id,
+    without weights or a device (a page-preparation process loads this, never the model)."""
+
+    processor: Any
+    bos_token_id: int | None
+
+
+def load_processor(path: str) -> PageProcessor:
+    """The processor of the model at ``path`` (as ``load_model`` resolves it; never downloads)."""
+    from transformers import AutoConfig, AutoProcessor
+
+    folder = resolve_path(str(path))
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001
+        raise ModelLoadError(f"cannot load processor/tokenizer from {folder}: {_one_line(exc)}") from exc
+    return PageProcessor(processor, _bos_token_id(config, processor.tokenizer))

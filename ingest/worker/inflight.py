@@ -38,7 +38,9 @@ class OneAtATime:
         return bool(self._ended)
 
     def submit(self, key: Any, images: list, context_limit: int, max_new_tokens: int | None = None,
-               reference_texts: list[str] | None = None, replay_ids: list[int] | None = None) -> None:
+               reference_texts: list[str] | None = None, replay_ids: list[int] | None = None,
+               inputs: Any = None) -> None:
+        """Decode the chunk now (``inputs``, processor outputs built ahead, are not used: ``decode`` takes images)."""
         try:
             out: ChunkOutput | BaseException = self.inner.decode(
                 images, context_limit, max_new_tokens, reference_texts=reference_texts, replay_ids=replay_ids)
