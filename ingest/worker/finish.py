@@ -9,6 +9,7 @@ failing disk is not the document's fault (ingest.errors): it waits and is finish
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,11 +35,11 @@ class Finisher:
     db: Database
     document_ids: frozenset[int] | None = None  # only these documents (uflash run FILE...); None: any
 
-    def finish_ready(self) -> None:
+    def finish_ready(self, skip: Callable[[int], bool] = lambda doc_id: False) -> None:
         """Finish this worker's documents whose chunks are all done but whose outputs were not written (a crash between
-        the last chunk and the outputs leaves exactly this)."""
+        the last chunk and the outputs leaves exactly this), but those ``skip`` names (to be finished anyway)."""
         for doc_id in unfinished_documents(self.db, self.document_ids):
-            if ready_to_finish(self.db, doc_id):
+            if not skip(doc_id) and ready_to_finish(self.db, doc_id):
                 self.finish(doc_id)
 
     def rewrite_after_rerun(self, run_id: int, doc_ids: list[int]) -> None:
