@@ -143,6 +143,8 @@ class WorkerSettings(_Section):
     max_attempts: int = Field(default=3, ge=1)
     backoff_seconds: float = Field(default=30.0, ge=0.0)
     poll_seconds: float = Field(default=2.0, gt=0.0)
+    prepare_processes: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"  # processes that render and prepare
+    # pages for the model; auto: one fewer than the cores, at most 8; 0: the worker's own thread
 
 
 class Settings(BaseSettings):

@@ -151,9 +151,11 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 def worker_config(folder: Path, model_dir: Path, **sections: dict) -> Path:
     """A config for worker tests: the tiny model on the CPU, small chunks, short outputs, one chunk decoding at a time
-    (the batched worker's tests set ``engine.max_batch``)."""
+    (the batched worker's tests set ``engine.max_batch``), pages prepared in one process of their own (whatever the
+    machine's cores: one chunk is claimed ahead of the free rows)."""
     base = {"model": {"path": str(model_dir), "device": "cpu", "dtype": "float32"},
-            "engine": {"max_pages_per_chunk": 4, "max_tokens_per_page": 30, "max_batch": 1}}
+            "engine": {"max_pages_per_chunk": 4, "max_tokens_per_page": 30, "max_batch": 1},
+            "worker": {"prepare_processes": 1}}
     for k, v in sections.items():
         base.setdefault(k, {}).update(v)
     for sec in base.values():  # None means "leave the key out" (TOML has no null)
@@ -184,6 +186,7 @@ def serve_until(worker, until, timeout: float = 300) -> None:
         worker.serve(stop, until=until)
     finally:
         timer.cancel()
+        worker.close()  # its page-preparation processes, if it started any
     assert not stop.is_set(), "timed out"
 
 

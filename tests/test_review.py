@@ -267,6 +267,7 @@ def test_page_cut_at_the_context_limit_is_graded_poor(tmp_path, tiny_model_dir):
         worker.serve(stop, until=lambda: collect_report(db)["pages"] == 1 and _doc_done(db))
     finally:
         timer.cancel()
+        worker.close()
     with db.session() as ss:
         page = ss.scalar(select(Page))
     q = page.stats["quality"]

@@ -97,9 +97,9 @@ def run_batch(settings: Settings, db: Database, paths: list[Path], make_worker: 
         result.interrupted = stop.is_set()
 
     if doc_ids:
-        worker = make_worker(settings, db, document_ids=frozenset(doc_ids))
-        serve_run(worker, stop, lambda: not unfinished_documents(db, doc_ids), report,
-                  progress=("uflash run", pending_pages(db, doc_ids)), summary=summary)
+        with make_worker(settings, db, document_ids=frozenset(doc_ids)) as worker:
+            serve_run(worker, stop, lambda: not unfinished_documents(db, doc_ids), report,
+                      progress=("uflash run", pending_pages(db, doc_ids)), summary=summary)
     else:
         summary(None)
     logger.debug("run finished (run {})", result.run_id)

@@ -85,7 +85,8 @@ def cmd_watch(settings: Settings, args: argparse.Namespace) -> int:
     intake = threading.Thread(target=watcher.run, args=(stop,), name="intake", daemon=True)
     intake.start()
     try:
-        run_id = serve_batches(make_worker(settings, db), stop, _report(settings, db, log=True))
+        with make_worker(settings, db) as worker:
+            run_id = serve_batches(worker, stop, _report(settings, db, log=True))
     finally:
         stop.set()
         intake.join(timeout=30)

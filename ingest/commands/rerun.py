@@ -133,8 +133,9 @@ def rerun(settings: Settings, db: Database, make_worker: Callable[..., Any], sto
             announce(result)
 
     # chunks split off ours (context limit, out of memory) are reserved for the run too
-    serve_run(worker, stop, lambda: reserved_pending(db, run_id) == 0, report,
-              progress=("uflash rerun", len(picked)), summary=summary)
+    with worker:
+        serve_run(worker, stop, lambda: reserved_pending(db, run_id) == 0, report,
+                  progress=("uflash rerun", len(picked)), summary=summary)
     return result
 
 

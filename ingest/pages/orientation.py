@@ -186,9 +186,23 @@ def choose_turn(image: Image.Image, probe: Callable[[Image.Image], float], confi
         return TurnChoice(0, m.ratio, edges=m.edges)
     t0 = time.perf_counter()
     scores = {t: probe(turn(image, t)) for t in (0, *m.candidates)}
-    best = max(m.candidates, key=lambda t: scores[t])
+    return decide(m, scores, config, time.perf_counter() - t0)
+
+
+def decide(measures: InkMeasures, scores: dict[int, float], config: OrientationSettings,
+           probe_s: float = 0.0) -> TurnChoice:
+    """The turn chosen from the probes' ``scores`` (turn -> mean log-probability, the page as it is and each of
+    ``measures.candidates``): the best candidate, when the model reads it well and clearly better than the page as it
+    is (``choose_turn``; the worker probes without waiting, ingest.worker.probes, and decides here)."""
+    best = max(measures.candidates, key=lambda t: scores[t])
     keep = scores[best] >= config.min_logprob and scores[best] - scores[0] >= config.min_gain
-    return TurnChoice(best if keep else 0, m.ratio, scores, time.perf_counter() - t0, m.edges)
+    return TurnChoice(best if keep else 0, measures.ratio, scores, probe_s, measures.edges)
+
+
+def probe_score(out) -> float:  # noqa: ANN001 - an engine.chunk_output.ChunkOutput
+    """A probe's score: the mean log-probability of what the model read (-inf for nothing)."""
+    logprobs = out.pages[0].logprobs if out.pages else []
+    return sum(logprobs) / len(logprobs) if logprobs else -math.inf
 
 
 def decoder_probe(decoder, context_limit: int, tokens: int) -> Callable[[Image.Image], float]:
@@ -196,9 +210,7 @@ def decoder_probe(decoder, context_limit: int, tokens: int) -> Callable[[Image.I
     ``tokens`` tokens; the mean log-probability of what it read (-inf for nothing)."""
 
     def probe(image: Image.Image) -> float:
-        out = decoder.decode([image], context_limit=context_limit, max_new_tokens=tokens)
-        logprobs = out.pages[0].logprobs if out.pages else []
-        return sum(logprobs) / len(logprobs) if logprobs else -math.inf
+        return probe_score(decoder.decode([image], context_limit=context_limit, max_new_tokens=tokens))
 
     return probe
 

@@ -29,6 +29,7 @@ from ingest.config import Settings
 from ingest.errors import ExitCode, ModelUnavailable, infrastructure_problem
 from ingest.ledger.owners import is_gone
 from ingest.worker.finish import Finisher
+from ingest.worker.finish_queue import FinishQueue
 
 
 class RunHandle:
@@ -65,7 +66,7 @@ class RunHandle:
         return run_id
 
 
-def take_over_from_the_gone(settings: Settings, db: Database, finisher: Finisher) -> None:
+def take_over_from_the_gone(settings: Settings, db: Database, finisher: Finisher | FinishQueue) -> None:
     """Leases and runs of uflash processes on this host that are gone (killed, crashed, the machine rebooted): their
     chunks are taken over now rather than when the lease runs out, and their runs are closed as crashed (a re-run's
     chunks still reserved for it are cancelled, and the documents it re-decoded pages of are rewritten). A re-run on

@@ -106,9 +106,10 @@ def is_out_of_memory(e: BaseException) -> bool:
 
 
 def unreadable(settings: Settings, db: Database, u: Unreadable) -> None:
-    """A chunk whose original cannot be read fails for good (another try reads the same file)."""
+    """A chunk whose original cannot be read fails for good (another try reads the same file); one whose preparation
+    failed otherwise (``u.permanent`` False: its process died) is tried again after a backoff, as a failed decode."""
     w = settings.worker
-    fail(db, u.claim, u.reason, w.max_attempts, w.backoff_seconds, permanent=True)
+    fail(db, u.claim, u.reason, w.max_attempts, w.backoff_seconds, permanent=u.permanent)
     logger.error("{}: {}", u.label, u.reason)
 
 

@@ -2,16 +2,21 @@
 it ends, and finish each document whose chunks are all done.
 
 One loop keeps the decoder full (``engine.max_batch`` rows; ingest.worker.inflight: any decoder, batch 1 included, runs
-through the same code): it claims a chunk for each free row (and one ahead), each with its own lease, all renewed by
-one heartbeat thread (ingest.ledger.leases); a prefetch thread renders the claimed chunks while the engine decodes
-others (ingest.pages.prefetch); a rendered chunk is turned upright (orientation probes) and submitted; each engine step
-hands back the chunks that ended, and each is checked (caught pages of a multi-page chunk decoded again alone,
-ingest.quality.repair) and stored in its own transaction (ingest.worker.outcome says what becomes of it). A chunk is
-stored only while its lease is held (db.chunks): a worker killed with chunks in flight leaves nothing of them behind,
-the chunks it stored stay stored, and the others are redone by whoever takes their leases next. Stopping (SIGTERM)
-claims nothing more, gives back the chunks not yet decoding, and stores those in flight as they end. A worker given
-``document_ids`` (``uflash run FILE...``) claims and finishes only those documents; a re-run's worker (``fresh_run``)
-claims only the chunks reserved for its run, with the earlier output of the same pages as its draft.
+through the same code): it claims a chunk for each free row (and enough ahead to keep page preparation busy), each
+with its own lease, all renewed by one heartbeat thread (ingest.ledger.leases); the claimed chunks are prepared while
+the engine decodes others (ingest.pages.prefetch: rendered, measured and made into the model's inputs by the
+page-preparation processes, ``worker.prepare_processes``, ingest.pages.pool); a prepared chunk whose pages look turned
+has them probed (ingest.worker.probes: the probes decode beside the other rows) and is submitted once they are in;
+each engine step hands back the chunks that ended, and each is checked (caught pages of a multi-page chunk decoded
+again alone, ingest.quality.repair) and stored in its own transaction (ingest.worker.outcome says what becomes of
+it). A document whose chunks are all stored is finished by a thread of its own (ingest.worker.finish_queue) while the
+loop steps on. A chunk is stored only while its lease is held (db.chunks): a worker killed with chunks in flight
+leaves nothing of them behind, the chunks it stored stay stored, and the others are redone by whoever takes their
+leases next. Stopping (SIGTERM) claims nothing more, gives back the chunks not yet decoding, stores those in flight
+as they end and finishes their documents. A worker given ``document_ids`` (``uflash run FILE...``) claims and
+finishes only those documents; a re-run's worker (``fresh_run``) claims only the chunks reserved for its run, with
+the earlier output of the same pages as its draft. ``close()`` (or leaving ``with worker:``) stops the
+page-preparation processes.
 
 An error of the ledger or of the machine (ingest.errors.infrastructure_problem: the database gone or locked, a disk
 full) fails no chunk and no document: the worker keeps a decoded result and stores it once the ledger takes it, gives
@@ -40,9 +45,12 @@ from ingest.errors import ModelUnavailable, infrastructure_problem
 from ingest.ledger.health import Trouble
 from ingest.ledger.leases import LeaseKeeper, say_whose_leases
 from ingest.ledger.owners import this_process
+from ingest.pages.inputs import turned_inputs
+from ingest.pages.pool import preparation_pool
 from ingest.pages.prefetch import NotPrepared, Prefetcher, Prepared
-from ingest.pages.prepare import PreparedChunk, Turns, Unreadable
+from ingest.pages.prepare import PreparedChunk, Unreadable
 from ingest.worker.finish import Finisher
+from ingest.worker.finish_queue import FinishQueue
 from ingest.worker.inflight import batched, poll_all
 from ingest.worker.lifecycle import RunHandle, take_over_from_the_gone
 from ingest.worker.outcome import (
@@ -54,8 +62,7 @@ from ingest.worker.outcome import (
     requeued_ranges,
     unreadable,
 )
-
-AHEAD = 1  # chunks claimed and rendered beyond the free rows, so that a row that frees is filled at once
+from ingest.worker.probes import ProbeKey, Turns, turned_positions
 
 
 @dataclass
@@ -72,13 +79,16 @@ class Worker:
     def __post_init__(self) -> None:
         self.trouble = self.trouble or Trouble(self.settings.logs, "worker")
         self.finisher = Finisher(self.settings, self.db, self.document_ids)
+        self.finishing = FinishQueue(self.finisher)
         self.run = RunHandle(self.db, self.owner, self.decoder, self.finisher, self.fresh_run)
         self.turns = Turns(self.settings)
+        self.pool = preparation_pool(self.settings)  # its processes start with the first chunk claimed
         self.leases = LeaseKeeper(self.db, self.settings.worker)
         self.idle = False  # the last look found nothing to claim and nothing in hand
         self.inflight: dict[int, PreparedChunk] = {}  # chunk id -> the chunk decoding now
         self._ready: list[Prepared] = []  # chunks the prefetch thread made ready, waiting for a free row
         self._decoder: Any = None
+        self._load_failed: ModelUnavailable | None = None
         self._unsettled: list[Claim] = []  # chunks whose handling the ledger's trouble cut short: given back
         self._stop: threading.Event | None = None
         self._waiting_on: frozenset[str] = frozenset()  # owners of the leases the last idle poll found (logged once)
@@ -86,6 +96,9 @@ class Worker:
 
     def decoder(self) -> Any:
         if self._decoder is None:
+            if self._load_failed is not None:  # met while loading ahead: said now, and tried again next time
+                e, self._load_failed = self._load_failed, None
+                raise e
             try:
                 self._decoder = batched(self.make_decoder())
             except (ModelNotFound, ModelLoadError) as e:
@@ -98,19 +111,32 @@ class Worker:
     def close_run(self) -> int | None:
         return self.run.close()
 
+    def close(self) -> None:
+        """Stop the page-preparation processes (a later ``serve`` starts them again)."""
+        if self.pool is not None:
+            self.pool.close()
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # -- the loop --------------------------------------------------------------------------------
     def serve(self, stop: threading.Event, until: Callable[[], bool] | None = None) -> None:
         """Claim and run chunks until ``stop`` is set (then the chunks in flight are finished) or ``until()`` says the
         wanted work is done. Trouble with the ledger or the machine is waited out with a growing backoff."""
         self._stop, first = stop, True
-        prefetch = Prefetcher(self.settings, self.db)
+        prefetch = Prefetcher(self.settings, self.db, self.pool)
+        self.finishing = FinishQueue(self.finisher)
         try:
-            with self.leases, prefetch:
+            with self.leases, prefetch, self.finishing:
                 while not (stop.is_set() and not self.inflight):
                     try:
                         self._give_back(self._unsettled)
+                        self.finishing.check()
                         if first:
-                            self.finisher.finish_ready()
+                            self.finishing.finish_ready()
                             first = False
                         if until is not None and not (self.inflight or prefetch.pending or self._ready) and until():
                             return
@@ -120,9 +146,20 @@ class Worker:
                         if (problem := infrastructure_problem(e)) is None:
                             raise
                         stop.wait(self.trouble.failed(problem))
+            self._finishing_trouble()
         finally:
             self._give_back(prefetch.left() + [r.claim for r in self._ready] + self._unsettled)
             self._ready = []
+
+    def _finishing_trouble(self) -> None:
+        """An error of the finishes made on the way out: the machine's trouble is said (the document is finished at
+        the next start), anything else is raised."""
+        try:
+            self.finishing.check()
+        except Exception as e:
+            if (problem := infrastructure_problem(e)) is None:
+                raise
+            self.trouble.failed(problem)
 
     def _give_back(self, claims: list[Claim]) -> None:
         while claims:
@@ -135,6 +172,8 @@ class Worker:
     def _step(self, stop: threading.Event, prefetch: Prefetcher) -> None:
         """One turn: claim for the free rows, submit what is rendered, one engine step (or wait a poll when idle)."""
         found = self._claim_ahead(prefetch) if not stop.is_set() else 0
+        if self._decoder is None and prefetch.pending and not self._ready and not stop.is_set():
+            self._load_ahead()
         self._ready += prefetch.take(wait=0.0 if self.inflight or self._ready else 0.05)
         if stop.is_set():  # nothing more starts: given back at the next turn
             self._unsettled += [r.claim for r in self._ready]
@@ -142,7 +181,12 @@ class Worker:
         while self._ready and (not self.inflight or self.decoder().free_rows > 0):
             self._start(self._ready.pop(0), stop)
         if self.inflight:
-            ended = [(self.inflight.pop(key), out) for key, out in poll_all(self.decoder()) if key in self.inflight]
+            ended = []
+            for key, out in poll_all(self.decoder()):
+                if isinstance(key, ProbeKey):  # a chunk's probe: once its chunk's are all in, the chunk goes on
+                    key, out = self._probed(key, out)
+                if key in self.inflight and out is not None:
+                    ended.append((self.inflight.pop(key), out))
             for i, (chunk, out) in enumerate(ended):
                 try:
                     self._ended(chunk, out)
@@ -153,22 +197,34 @@ class Worker:
         self.idle = not found and not prefetch.pending and not self._ready
         if self.idle:
             self._log_leased()
-            self.finisher.finish_ready()
+            if self.finishing.busy:  # a document being finished: looked at again as soon as it is
+                self.finishing.wait(self.settings.worker.poll_seconds)
+                return
+            self.finishing.finish_ready()
             stop.wait(self.settings.worker.poll_seconds)
+
+    def _load_ahead(self) -> None:
+        """Load the model while the first chunks claimed are prepared (and their preparation processes start), not
+        after. A model that cannot be loaded is said when the first chunk starts (its chunk records the reason)."""
+        try:
+            self.decoder()
+        except ModelUnavailable as e:
+            self._load_failed = e
 
     def _log_leased(self) -> None:
         self._waiting_on = say_whose_leases(self.db, self.owner, self.run.reserved(), self.document_ids,
                                             self._waiting_on)
 
     def _claim_ahead(self, prefetch: Prefetcher) -> int:
-        """Claim a chunk for each row the decoder has free (and ``AHEAD`` more); hand each to the prefetch thread."""
+        """Claim a chunk for each row the decoder has free, and ``prefetch.ahead`` more (one a preparation process),
+        so that a row that frees is filled at once; hand each to the prefetch thread."""
         w = self.settings.worker
         rows = self._decoder.free_rows if self._decoder is not None else 1
-        room, found = rows + AHEAD - prefetch.pending - len(self._ready), 0
+        room, found = rows + prefetch.ahead - prefetch.pending - len(self._ready), 0
         if room > 0 and self.inflight and time.monotonic() < self._next_look:
             return 0  # the queue was empty a moment ago: the engine steps on without asking the ledger every step
         if room > 0:
-            take_over_from_the_gone(self.settings, self.db, self.finisher)
+            take_over_from_the_gone(self.settings, self.db, self.finishing)
         while room > 0:
             c = claim(self.db, self.owner, w.lease_seconds, w.max_attempts, document_ids=self.document_ids,
                       run_id=self.run_id() if self.fresh_run is not None else None)
@@ -181,7 +237,8 @@ class Worker:
         return found
 
     def _start(self, ready: Prepared, stop: threading.Event) -> None:
-        """A chunk the prefetch thread made ready: turned upright and submitted (or failed, or given back)."""
+        """A chunk the prefetch thread made ready: submitted, or its pages that look turned probed first (or failed,
+        or given back)."""
         c = ready.claim
         if isinstance(ready, NotPrepared) or stop.is_set():  # given back at the next turn (or on leaving)
             self._unsettled.append(c)
@@ -200,16 +257,35 @@ class Worker:
             raise
         logger.info("decoding {} (attempt {})", ready.label, c.attempts)
         self.inflight[c.chunk_id] = ready
-        cap, limit = self.settings.engine.max_tokens_per_page, self.settings.engine.context_limit
         try:
-            self.turns.turn_upright(decoder, ready)
-            early = decoder.submit(c.chunk_id, [p.image for p in ready.pages], limit,
-                                   cap * len(ready.pages) if cap else None, reference_texts=ready.references,
-                                   replay_ids=ready.replay)
+            early = None if self.turns.start(decoder, ready) else self._submit(ready)
         except Exception as e:  # the chunk's own failure (a probe or its admission), unless the ledger's
             early = e
         if early is not None:
             self._ended(self.inflight.pop(c.chunk_id), early)
+
+    def _submit(self, chunk: PreparedChunk) -> ChunkOutput | None:
+        """Submit the chunk (its pages turned as the probes chose): None, or its output when it cannot be decoded."""
+        cap, limit = self.settings.engine.max_tokens_per_page, self.settings.engine.context_limit
+        inputs = turned_inputs(chunk.inputs, chunk.probe_inputs, turned_positions(chunk))
+        return self.decoder().submit(chunk.claim.chunk_id, [p.image for p in chunk.pages], limit,
+                                     cap * len(chunk.pages) if cap else None, reference_texts=chunk.references,
+                                     replay_ids=chunk.replay, inputs=inputs)
+
+    def _probed(self, key: ProbeKey, out: ChunkOutput | BaseException) -> tuple[int, ChunkOutput | BaseException |
+                                                                               None]:
+        """A probe that ended: (its chunk's id, the chunk's end) when the chunk ends here (a probe failed, or it
+        cannot be submitted), (its chunk's id, None) while it waits or decodes."""
+        probed = self.turns.ended(key, out)
+        if probed is None:
+            return key.chunk_id, None
+        chunk, error = probed
+        if error is not None:
+            return key.chunk_id, error
+        try:
+            return key.chunk_id, self._submit(chunk)
+        except Exception as e:  # its admission: the chunk's own failure
+            return key.chunk_id, e
 
     def _ended(self, chunk: PreparedChunk, out: ChunkOutput | BaseException) -> None:
         """A chunk whose decode ended: checked and stored, or split, retried or failed (ingest.worker.outcome)."""
@@ -254,7 +330,7 @@ class Worker:
         if self.on_pages:
             self.on_pages(len(rows))
         if ready:
-            self.finisher.finish(c.document_id)
+            self.finishing.finish(c.document_id)
 
 
 def make_worker(settings: Settings, db: Database, **kw: Any) -> Worker:

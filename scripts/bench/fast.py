@@ -152,7 +152,8 @@ def first_pass(folder: Path, args, mode: str, pdfs: list[Path], make_decoder, fa
         return not unfinished_documents(db)
 
     t0 = time.perf_counter()
-    worker.serve(threading.Event(), until=done)
+    with worker:
+        worker.serve(threading.Event(), until=done)
     wall = time.perf_counter() - t0
     run_id = worker.run_id()
     texts, sums = texts_and_sums(db, run_id)
