@@ -1,4 +1,5 @@
-"""Page images ready for the model: rendering (render), the orientation probe (orientation), ink measures (ink), the
-processor step (prepare) and preparing ahead of the decoder (prefetch).
+"""Page images ready for the model: rendering (render), the orientation check (orientation), ink measures (ink), a
+chunk's pages prepared (prepare) with the model's inputs (inputs), in processes of their own (pool, handing back
+through shared memory: shm) and ahead of the decoder (prefetch).
 
 May import the top modules, engine/ and db/."""
