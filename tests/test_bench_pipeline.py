@@ -26,5 +26,6 @@ def test_timeline_wraps_every_probe_and_writes_json(tmp_path):
     assert r.returncode == 0, r.stderr
     t = json.loads(out.read_text())
     assert t["missing"] == [] and t["imports_s"] > 0 and t["wall_s"] >= t["imports_s"]
-    rows = dict((name, main) for name, main, _ in timeline_rows({**t, "startup_s": 0.5}))
+    rows = dict((name, main) for name, main, *_ in timeline_rows({**t, "startup_s": 0.5}))
     assert rows["imports"] == t["imports_s"] and rows["start-up (interpreter)"] == 0.5 and "decode steps" in rows
+    assert {"page preparation", "orientation probes", "submit (processor)", "finishing documents"} <= set(rows)

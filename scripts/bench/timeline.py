@@ -6,13 +6,16 @@ Runs ``ingest.commands.cli`` in this process after wrapping the functions that d
 (nothing in ``engine/`` or ``ingest/`` changes; a function that is not there any more is listed under ``missing``;
 the JSON is rewritten every 5 s too, so a run stopped at once keeps the timeline of a moment before):
 imports (ingest's CLI, torch, transformers), intake of the named files, model load (``engine.loading.load_decoder``: weights, engine, buffers),
-graph capture (``StepGraphs.capture``), page preparation (``ingest.pages.prefetch``'s ``prepare``: render, probe
-inputs), orientation probes, submission (the processor on the caller's thread), engine steps (``engine_step``: its
-admissions, i.e. vision and prefill, and its decode steps, split by the engine's own ``timing``), quality checks,
-ledger claims and stores, and finishing documents (grades, outputs, moves). Each is summed separately for the main
-thread (where it holds up the decode loop) and for other threads (where it overlaps it), with its call count and
-the main-thread seconds it ran inside another probe (``nested_main_s``: graph captures inside load or engine steps,
-engine steps inside orientation probes or quality repairs).
+graph capture (``StepGraphs.capture``), page preparation (``ingest.pages.prefetch``'s ``prepare`` in its thread, or
+its ``locate`` there and the page-preparation processes' own time, ``PreparePool.timing``, with the copy of what they
+hand back, ``ingest.pages.pool``'s ``unpack``), orientation probes (``ingest.worker.probes``: starting a chunk's
+probes, and each probe's end; the probes' decoding is in the engine steps), submission (the processor on the caller's
+thread, unless the processes built the inputs), engine steps (``engine_step``: its admissions, i.e. vision and
+prefill, and its decode steps, split by the engine's own ``timing``), quality checks, ledger claims and stores, and
+finishing documents (grades, outputs, moves: a thread of its own). Each is summed separately for the main thread
+(where it holds up the decode loop), for other threads (where it overlaps it) and, for page preparation, for other
+processes, with its call count and the main-thread seconds it ran inside another probe (``nested_main_s``: graph
+captures inside load or engine steps, engine steps inside quality repairs).
 ``main_other_s``: the main thread's wall that no probe covers (the loop's own work, waiting).
 `print_timeline` prints it as a table; `GpuSampler` gives the GPU's busy share over the same run.
 """
@@ -32,12 +35,14 @@ import time
 from pathlib import Path
 
 T0 = time.perf_counter()
-PROBES = {  # name: (module, attribute path)
+PROBES = {  # name: (module, attribute path), or several whose times add up
     "intake": ("ingest.commands.batch", "intake_file"),
     "load": ("engine.loading", "load_decoder"),
     "graph_capture": ("engine.kernels.step_graphs", "StepGraphs.capture"),
-    "page_preparation": ("ingest.pages.prefetch", "prepare"),
-    "orientation": ("ingest.pages.prepare", "Turns.turn_upright"),
+    "page_preparation": [("ingest.pages.prefetch", "prepare"), ("ingest.pages.prefetch", "locate"),
+                         ("ingest.pages.prefetch", "prepare_pages")],
+    "prepared_copy": ("ingest.pages.pool", "unpack"),
+    "orientation": [("ingest.worker.probes", "Turns.start"), ("ingest.worker.probes", "Turns.ended")],
     "submit": ("engine.chunk_decode", "EngineDecoder.submit"),
     "engine_steps": ("engine.chunk_decode", "EngineDecoder.engine_step"),
     "quality_checks": ("ingest.worker.worker", "checked_stats"),
@@ -50,6 +55,7 @@ PROBES = {  # name: (module, attribute path)
 _totals: dict[str, dict[str, float]] = {}
 _depth = threading.local()  # probes running on this thread (a probe inside another is counted as nested)
 _engines: list = []
+_pools: list = []  # page-preparation pools: their processes' own time
 _lock = threading.Lock()
 
 
@@ -75,28 +81,33 @@ def _timed(name: str, fn):
 def install() -> list[str]:
     """Wrap every probe; the names of those not found."""
     missing = []
-    for name, (module, path) in PROBES.items():
-        try:
-            owner = importlib.import_module(module)
-            *parents, attr = path.split(".")
-            for p in parents:
-                owner = getattr(owner, p)
-            setattr(owner, attr, _timed(name, getattr(owner, attr)))
+    for name, targets in PROBES.items():
+        for module, path in targets if isinstance(targets, list) else [targets]:
+            try:
+                owner = importlib.import_module(module)
+                *parents, attr = path.split(".")
+                for p in parents:
+                    owner = getattr(owner, p)
+                setattr(owner, attr, _timed(name, getattr(owner, attr)))
+            except (ImportError, AttributeError):
+                missing.append(f"{name} ({module}.{path})")
+    for module, cls, kept, name in (("engine.batch.engine", "BatchEngine", _engines, "engine_timing"),
+                                    ("ingest.pages.pool", "PreparePool", _pools, "pool_timing")):
+        try:  # the engines and pools made, to read their own timing at the end
+            _keep_instances(getattr(importlib.import_module(module), cls), kept)
         except (ImportError, AttributeError):
             missing.append(name)
-    try:  # the engines made, to read their own timing at the end
-        from engine.batch.engine import BatchEngine
-
-        init = BatchEngine.__init__
-
-        def keep(self, *args, **kwargs):
-            init(self, *args, **kwargs)
-            _engines.append(self)
-
-        BatchEngine.__init__ = keep
-    except ImportError:
-        missing.append("engine_timing")
     return missing
+
+
+def _keep_instances(cls, kept: list) -> None:
+    init = cls.__init__
+
+    def keep(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        kept.append(self)
+
+    cls.__init__ = keep
 
 
 def report(imports_s: float, missing: list[str]) -> dict:
@@ -106,33 +117,45 @@ def report(imports_s: float, missing: list[str]) -> dict:
         for key in ("vision_s", "prefill_s", "steps_s"):
             engine[key] += float(getattr(e, "timing", {}).get(key, 0.0))
         engine["steps"] += int(getattr(e, "steps", 0))
+    pools = {"processes": 0, "jobs": 0, "pages": 0, "prepare_s": 0.0, "receive_s": 0.0, "restarts": 0}
+    for p in _pools:
+        pools["processes"] += p.processes
+        for key in ("jobs", "pages", "prepare_s", "receive_s", "restarts"):
+            pools[key] += p.timing.get(key, 0)
     covered = sum(v["main_s"] - v["nested_main_s"] for v in _totals.values())  # each second once
     return {"wall_s": round(wall, 3), "imports_s": round(imports_s, 3),
             "probes": {k: {kk: round(vv, 3) for kk, vv in v.items()} for k, v in _totals.items()},
             "engine": {k: round(v, 3) for k, v in engine.items()},
+            "preparation_processes": {k: round(v, 3) for k, v in pools.items()},
             "main_other_s": round(wall - imports_s - covered, 3), "missing": missing}
 
 
 # -- read by scripts.bench.pipeline (the parent process) --------------------------------------------------
-def timeline_rows(t: dict) -> list[tuple[str, float, float]]:
-    """(what, main-thread seconds, other threads' seconds) of a run's timeline, in the order work happens."""
+def timeline_rows(t: dict) -> list[tuple[str, float, float, float]]:
+    """(what, main-thread seconds, other threads' seconds, other processes' seconds) of a run's timeline, in the order
+    work happens."""
     probes, engine = t.get("probes", {}), t.get("engine", {})
     steps = probes.get("engine_steps", {})
     capture = probes.get("graph_capture", {})
+    pools = t.get("preparation_processes", {})
     inside = engine.get("vision_s", 0.0) + engine.get("prefill_s", 0.0) + engine.get("steps_s", 0.0)
-    rows = [("start-up (interpreter)", t.get("startup_s", 0.0), 0.0), ("imports", t.get("imports_s", 0.0), 0.0),
-            ("intake (hash, plan)", probes.get("intake", {}).get("main_s", 0.0), 0.0)]
-    rows += [(name.replace("_", " "), probes.get(key, {}).get("main_s", 0.0), probes.get(key, {}).get("other_s", 0.0))
-             for name, key in (("model load", "load"), ("page preparation", "page_preparation"),
-                               ("orientation probes", "orientation"), ("submit (processor)", "submit"))]
-    rows += [("graph capture", capture.get("main_s", 0.0), capture.get("other_s", 0.0)),
-             ("vision", engine.get("vision_s", 0.0), 0.0), ("prefill", engine.get("prefill_s", 0.0), 0.0),
-             ("decode steps", engine.get("steps_s", 0.0), 0.0),
-             ("engine host work", max(0.0, steps.get("main_s", 0.0) - inside), 0.0)]
-    rows += [(name, probes.get(key, {}).get("main_s", 0.0), probes.get(key, {}).get("other_s", 0.0))
-             for name, key in (("quality checks", "quality_checks"), ("finishing documents", "finishing"),
-                               ("ledger claims", "ledger_claim"), ("ledger stores", "ledger_store"))]
-    rows.append(("main loop, other", t.get("main_other_s", 0.0), 0.0))
+
+    def probe(name: str, key: str, processes: float = 0.0) -> tuple[str, float, float, float]:
+        return name, probes.get(key, {}).get("main_s", 0.0), probes.get(key, {}).get("other_s", 0.0), processes
+
+    rows = [("start-up (interpreter)", t.get("startup_s", 0.0), 0.0, 0.0),
+            ("imports", t.get("imports_s", 0.0), 0.0, 0.0),
+            ("intake (hash, plan)", probes.get("intake", {}).get("main_s", 0.0), 0.0, 0.0),
+            probe("model load", "load"), probe("page preparation", "page_preparation", pools.get("prepare_s", 0.0)),
+            probe("prepared pages copied", "prepared_copy"), probe("orientation probes", "orientation"),
+            probe("submit (processor)", "submit"),
+            ("graph capture", capture.get("main_s", 0.0), capture.get("other_s", 0.0), 0.0),
+            ("vision", engine.get("vision_s", 0.0), 0.0, 0.0), ("prefill", engine.get("prefill_s", 0.0), 0.0, 0.0),
+            ("decode steps", engine.get("steps_s", 0.0), 0.0, 0.0),
+            ("engine host work", max(0.0, steps.get("main_s", 0.0) - inside), 0.0, 0.0),
+            probe("quality checks", "quality_checks"), probe("finishing documents", "finishing"),
+            probe("ledger claims", "ledger_claim"), probe("ledger stores", "ledger_store"),
+            ("main loop, other", t.get("main_other_s", 0.0), 0.0, 0.0)]
     return rows
 
 
@@ -144,9 +167,13 @@ def print_timeline(row: dict) -> None:
     gpu = row.get("gpu_busy") or {}
     print(f"\n{row['mode']} max_batch {row['max_batch']}: {wall:.1f} s wall; GPU busy {gpu.get('whole_run')} of the "
           f"run, {gpu.get('after_load')} after load (nvidia-smi)")
-    print(f"{'where':<24}{'main s':>9}{'% wall':>8}{'other threads s':>17}")
-    for name, main, other in timeline_rows(t):
-        print(f"{name:<24}{main:>9.2f}{100 * main / wall:>7.1f}%{other:>17.2f}")
+    print(f"{'where':<24}{'main s':>9}{'% wall':>8}{'other threads s':>17}{'processes s':>13}")
+    for name, main, other, processes in timeline_rows(t):
+        print(f"{name:<24}{main:>9.2f}{100 * main / wall:>7.1f}%{other:>17.2f}{processes:>13.2f}")
+    pools = t.get("preparation_processes") or {}
+    if pools.get("processes"):
+        print(f"({pools['processes']} page-preparation processes: {pools['pages']} pages in {pools['jobs']} chunks, "
+              f"{pools['restarts']} restarts)")
     print("(graph capture runs inside model load or engine steps; vision, prefill, decode steps and engine host work "
           "make up the engine steps, repairs' and probes' included)")
 
