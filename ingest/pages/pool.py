@@ -99,7 +99,8 @@ class PreparePool:
             raise ValueError("a preparation pool needs at least one process")
         self.processes, self.model_path, self.inputs = processes, model_path, inputs
         self.broken: str | None = None
-        self.timing = {"jobs": 0, "pages": 0, "prepare_s": 0.0, "receive_s": 0.0, "restarts": 0}
+        self.timing = {"jobs": 0, "pages": 0, "prepare_s": 0.0, "prepare_cpu_s": 0.0, "pack_cpu_s": 0.0,
+                       "receive_s": 0.0, "receive_cpu_s": 0.0, "restarts": 0}  # wall, and the thread's processor time
         self._ctx = mp.get_context("spawn")
         self._lock = threading.Lock()
         self._queue: deque[_Job] = deque()
@@ -263,32 +264,35 @@ class PreparePool:
                 self._say_once("processor", "page preparation: the processes cannot load the model's processor "
                                f"({why}); the model's inputs are built on the worker's thread")
             return
-        _, job_id, body = msg
+        _, job_id, body, *pack_cpu_s = msg
         p.job = None
-        self._dispatch()  # the process goes on with the next job while this one is copied out
+        self._dispatch()  # the process goes on with the next job while this one is taken in
         with self._lock:
             wanted = job_id in self._jobs
         if kind == "done" and not wanted:
             discard(body)
             result: Any = None
         elif kind == "done":
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.thread_time()
             try:
                 result = unpack(body)
-            except Exception as e:  # noqa: BLE001 - the block is gone (a process killed mid-write): prepared again
+            except Exception as e:  # noqa: BLE001 - handed to the worker as the chunk's error
                 result = e
             self.timing["receive_s"] += time.perf_counter() - t0
+            self.timing["receive_cpu_s"] += time.thread_time() - cpu0
             if via_pipe(body):
                 self._say_once("pipe", "page preparation: too little shared memory (/dev/shm): prepared pages come "
                                "through a pipe, more slowly; give the container more (docker run --shm-size 2g)")
             self.timing["prepare_s"] += getattr(result, "seconds", 0.0)
+            self.timing["prepare_cpu_s"] += getattr(result, "cpu_seconds", 0.0)
+            self.timing["pack_cpu_s"] += sum(pack_cpu_s)
             self.timing["pages"] += len(getattr(result, "pages", ()))
             self.timing["jobs"] += 1
         else:
             result = _error(body)
         if kind == "done" and body.block is not None:
             try:
-                p.conn.send(("release", body.block))  # copied out: the process may let it go
+                p.conn.send(("release", body.block))  # mapped here: the process may let it go
             except OSError:
                 pass
         if wanted:
@@ -443,12 +447,15 @@ def serve(conn: Connection, model_path: str | None, inputs: bool) -> None:
                 return
             if msg is None:
                 return
-            if msg[0] == "release":  # the worker has copied that block out
+            if msg[0] == "release":  # the worker has mapped that block
                 outbox.release(msg[1])
                 continue
             _, job_id, job = msg
             try:
-                reply = ("done", job_id, outbox.pack(prepare_pages(job, processor)))
+                ready = prepare_pages(job, processor)
+                cpu0 = time.thread_time()
+                packed = outbox.pack(ready)
+                reply = ("done", job_id, packed, time.thread_time() - cpu0)
             except Exception as e:  # noqa: BLE001 - handed to the worker, which decides what it means
                 reply = ("error", job_id, _describe(e))
             try:

@@ -86,6 +86,7 @@ class PagesReady:
     inputs: Any = None
     probe_inputs: dict[tuple[int, int], Any] = field(default_factory=dict)
     seconds: float = 0.0  # the time the work took
+    cpu_seconds: float = 0.0  # the processor time of the thread that did it
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ def prepare_pages(job: PageJob, processor: Any = None) -> PagesReady | Unrendera
     """Render the job's pages, measure each (its ink for the turn check, its print), and with ``processor`` (an
     ``engine.model.load.PageProcessor``) build the model's inputs (ingest.pages.inputs). Needs no ledger and no
     model: a page-preparation process runs it."""
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.thread_time()
     try:
         pages = render_pages(Path(job.path), job.kind, job.first, job.last, max_page_pixels=job.max_page_pixels)
     except Exception as e:
@@ -139,7 +140,7 @@ def prepare_pages(job: PageJob, processor: Any = None) -> PagesReady | Unrendera
     ready = PagesReady(pages, ink, [ink_text(p.image).dict() for p in pages])
     if processor is not None:
         ready.inputs, ready.probe_inputs = model_inputs(processor, [p.image for p in pages], ink)
-    ready.seconds = time.perf_counter() - t0
+    ready.seconds, ready.cpu_seconds = time.perf_counter() - t0, time.thread_time() - cpu0
     return ready
 
 

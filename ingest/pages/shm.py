@@ -2,9 +2,11 @@
 
 ``Outbox.pack(obj)`` pickles ``obj`` with its arrays left out (torch tensors, numpy arrays, RGB/L/RGBA page images):
 they are copied into one shared-memory block, and the pickle, a few kilobytes of text layers and measures, names
-them by their place in it. ``unpack`` in the worker copies each array out of the block into memory of its own and
-removes the block. The process that made a block keeps it open until the worker says it has copied it out
-(``Outbox.release``): on Windows a block lives only while some process has it open.
+them by their place in it. ``unpack`` in the worker maps the block and hands the tensors and arrays out as views of it,
+without a copy (a page's pixels are megabytes: copying them, into memory the system must first fault in and zero,
+cost more than the processor); the page images are copied (PIL makes images of its own). The block's name is removed
+at once; its memory goes when the last view of it does. The process that made a block keeps it open until the worker
+says it has mapped it (``Outbox.release``): on Windows a block lives only while some process has it open.
 
 Where shared memory is too short for a block (a container's small /dev/shm, where writing past it would kill the
 process with SIGBUS) the object is pickled whole through the pipe instead, and ``unpack`` says so (``via_pipe``).
@@ -13,9 +15,12 @@ process with SIGBUS) the object is pickled whole through the pipe instead, and `
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 import shutil
+import threading
+import weakref
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any
@@ -75,8 +80,7 @@ class _Unpickler(pickle.Unpickler):
             return Image.frombytes(mode, tuple(size), view)  # copies the pixels
         import torch
 
-        array = view.copy()
-        return torch.from_numpy(array) if kind == "tensor" else array
+        return torch.from_numpy(view) if kind == "tensor" else view
 
 
 def _layout(arrays: list[np.ndarray]) -> tuple[list[tuple[int, str, tuple[int, ...]]], int]:
@@ -97,7 +101,7 @@ def _room_for(nbytes: int) -> bool:
 
 
 class Outbox:
-    """The blocks a preparation process made and the worker has not yet copied out."""
+    """The blocks a preparation process made and the worker has not yet mapped."""
 
     def __init__(self) -> None:
         self._open: dict[str, shared_memory.SharedMemory] = {}
@@ -123,30 +127,47 @@ class Outbox:
         return Packed(block.name, places, buf.getvalue())
 
     def release(self, name: str | None = None) -> None:
-        """The worker has copied out the block ``name`` (None: every block): let it go."""
+        """The worker has mapped the block ``name`` (None: every block): let it go."""
         for key in [name] if name is not None else list(self._open):
             block = self._open.pop(key, None)
             if block is not None:
                 block.close()
 
 
+_mapped: list[tuple[weakref.ref, shared_memory.SharedMemory]] = []  # blocks mapped here, by the array over each
+_mapped_lock = threading.Lock()
+
+
 def unpack(packed: Packed) -> Any:
-    """The object ``pack`` packed, its arrays copied out of the block; the block is removed."""
+    """The object ``pack`` packed, its tensors and arrays views of the block (its images copied); the block's name is
+    removed, its memory unmapped once nothing here uses it."""
     if packed.arrays is None:
         return pickle.loads(packed.payload)
     if packed.block is None:
         return _Unpickler(io.BytesIO(packed.payload), []).load()
+    _unmap_unused()
     block = shared_memory.SharedMemory(name=packed.block)
+    block.unlink()  # the name goes now; the memory stays while it is mapped (on Windows: while this handle is open)
+    whole = np.ndarray((block.size,), np.uint8, buffer=block.buf)
     try:
-        views = [np.ndarray(shape, np.dtype(dtype), buffer=block.buf, offset=offset)
+        views = [whole[offset:offset + np.dtype(dtype).itemsize * math.prod(shape)].view(dtype).reshape(shape)
                  for offset, dtype, shape in packed.arrays]
-        try:
-            return _Unpickler(io.BytesIO(packed.payload), views).load()
-        finally:
-            del views
+        return _Unpickler(io.BytesIO(packed.payload), views).load()
     finally:
-        _close(block)
-        block.unlink()
+        with _mapped_lock:
+            _mapped.append((weakref.ref(whole), block))
+        del whole
+
+
+def _unmap_unused() -> None:
+    """Unmap the blocks none of whose arrays is left."""
+    with _mapped_lock:
+        for entry in [e for e in _mapped if e[0]() is None]:
+            try:
+                entry[1].close()
+            except BufferError:  # still exported after all (a traceback holding a view): later
+                continue
+            _mapped.remove(entry)
 
 
 def discard(packed: Packed) -> None:
