@@ -139,7 +139,7 @@ class Worker:
                             self.finishing.finish_ready()
                             first = False
                         if until is not None and not (self.inflight or prefetch.pending or self._ready) and until():
-                            return
+                            break
                         self._step(stop, prefetch)
                         self.trouble.ok()
                     except Exception as e:

@@ -8,6 +8,7 @@ subprocess (model load, graph capture and every other one-off cost included) und
 from the command's start to its exit (or to ``--max-seconds``, when it is stopped as an operator would and its rates
 are those of the pages stored by then). ``--model`` may be a stand-in folder (``scripts.standin``: the real model's
 cost at full size); ``[quality] repair`` is then off (``--repair``), since its text fits no page's print.
+``--prepare-processes`` sets ``[worker] prepare_processes`` (default "auto"; 0: pages prepared in the worker's thread).
 Reported per setting: wall seconds, pages, pages per hour, pages per hour once the model is loaded (the run's opening
 in the ledger: imports and model load left out; graph capture kept), time to the first finished page (its chunk's
 ledger time after the command's start) and document, output tokens, tokens per second of decoding, mean tau, the
@@ -85,6 +86,7 @@ def config_text(args, max_batch: str, mode: str) -> str:
         f"max_batch = {batch}", f"max_pages_per_chunk = {args.chunk_pages}",
         f"max_tokens_per_page = {args.max_tokens_per_page}",
         *([] if args.repair else ["[quality]", "repair = false"]),
+        "[worker]", f"prepare_processes = {json.dumps(args.prepare_processes)}",
         *(["[outputs]", "formats = [" + ", ".join(f'"{f}"' for f in args.formats.split(",")) + "]"] if args.formats
           else []), ""])
 
@@ -226,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repair", choices=("auto", "on", "off"), default="auto", help="[quality] repair (pages read "
                     "again alone); auto: off for a stand-in model (scripts.standin: its text fits no page's print)")
     ap.add_argument("--formats", default="", help="[outputs] formats (default: the config's own)")
+    ap.add_argument("--prepare-processes", type=lambda v: v if v == "auto" else int(v), default="auto",
+                    help="[worker] prepare_processes: page-preparation processes (0: the worker's own thread)")
     ap.add_argument("--logs", type=Path, help="folder for each setting's logs (uflash run's stderr and its file log)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -240,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"benchmark": "bench_pipeline", "argv": sys.argv[1:] if argv is None else argv, "settings": [],
               "model": json.loads((Path(args.model) / "standin.json").read_text()) if standin else {"path": args.model},
               "documents": len(documents), "pages": sum(page_counts_of(documents)), "repair": args.repair,
+              "prepare_processes": args.prepare_processes,
               "environment": environment(args.device)}
     report["model"].pop("first_tokens", None)
     for mode in args.mode.split(","):
