@@ -129,6 +129,11 @@ class EngineDecoder:
         free_device_memory()
 
     @property
+    def rows(self) -> int:
+        """Chunks the engine decodes together at most (now: fewer after running out of memory)."""
+        return self.engine.row_limit
+
+    @property
     def free_rows(self) -> int:
         """Chunks the engine can take now without queueing."""
         return max(0, self.engine.row_limit - self.engine.active - len(self.engine.pending))

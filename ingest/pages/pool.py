@@ -41,7 +41,7 @@ from loguru import logger
 from ingest.config import Settings
 from ingest.errors import InfrastructureError, infrastructure_problem
 from ingest.pages.prepare import PageJob, prepare_pages
-from ingest.pages.shm import Outbox, discard, unpack, via_pipe
+from ingest.pages.shm import Outbox, discard, unmap_unused, unpack, via_pipe
 
 JOB_SECONDS = 600.0  # a chunk's pages take a second or two: ten minutes means a process stuck in a bad file
 START_FAILURES = 3  # processes in a row that die before they are ready: the pool is broken
@@ -210,6 +210,7 @@ class PreparePool:
                     if p.conn in ready or p.process.sentinel in ready:
                         self._receive(p)
                 self._overdue()
+                unmap_unused()  # the memory of chunks decoded since
             except Exception as e:  # noqa: BLE001 - the thread must not die silently: its jobs would never end
                 logger.opt(exception=e).error("page preparation: {}: {}", type(e).__name__, e)
                 self._break(f"{type(e).__name__}: {e}")

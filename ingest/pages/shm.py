@@ -5,8 +5,9 @@ they are copied into one shared-memory block, and the pickle, a few kilobytes of
 them by their place in it. ``unpack`` in the worker maps the block and hands the tensors and arrays out as views of it,
 without a copy (a page's pixels are megabytes: copying them, into memory the system must first fault in and zero,
 cost more than the processor); the page images are copied (PIL makes images of its own). The block's name is removed
-at once; its memory goes when the last view of it does. The process that made a block keeps it open until the worker
-says it has mapped it (``Outbox.release``): on Windows a block lives only while some process has it open.
+at once; its memory goes once no view of it is left (``unmap_unused``). The process that made a block keeps it open
+until the worker says it has mapped it (``Outbox.release``): on Windows a block lives only while a process has it
+open.
 
 Where shared memory is too short for a block (a container's small /dev/shm, where writing past it would kill the
 process with SIGBUS) the object is pickled whole through the pipe instead, and ``unpack`` says so (``via_pipe``).
@@ -145,7 +146,7 @@ def unpack(packed: Packed) -> Any:
         return pickle.loads(packed.payload)
     if packed.block is None:
         return _Unpickler(io.BytesIO(packed.payload), []).load()
-    _unmap_unused()
+    unmap_unused()
     block = shared_memory.SharedMemory(name=packed.block)
     block.unlink()  # the name goes now; the memory stays while it is mapped (on Windows: while this handle is open)
     whole = np.ndarray((block.size,), np.uint8, buffer=block.buf)
@@ -159,8 +160,8 @@ def unpack(packed: Packed) -> Any:
         del whole
 
 
-def _unmap_unused() -> None:
-    """Unmap the blocks none of whose arrays is left."""
+def unmap_unused() -> None:
+    """Unmap the blocks none of whose arrays is left (the pool's thread calls it every second or so)."""
     with _mapped_lock:
         for entry in [e for e in _mapped if e[0]() is None]:
             try:

@@ -30,6 +30,10 @@ class OneAtATime:
         return getattr(self.inner, name)
 
     @property
+    def rows(self) -> int:
+        return 1
+
+    @property
     def free_rows(self) -> int:
         return 0 if self._ended else 1
 

@@ -216,11 +216,11 @@ class Worker:
                                             self._waiting_on)
 
     def _claim_ahead(self, prefetch: Prefetcher) -> int:
-        """Claim a chunk for each row the decoder has free, and ``prefetch.ahead`` more (one a preparation process),
-        so that a row that frees is filled at once; hand each to the prefetch thread."""
-        w = self.settings.worker
-        rows = self._decoder.free_rows if self._decoder is not None else 1
-        room, found = rows + prefetch.ahead - prefetch.pending - len(self._ready), 0
+        """Claim a chunk for each row the decoder has free, and ``prefetch.ahead`` more (one a preparation process,
+        at most one a row), so that a row that frees is filled at once; hand each to the prefetch thread."""
+        w, d = self.settings.worker, self._decoder
+        rows, ahead = (d.free_rows, min(prefetch.ahead, d.rows)) if d is not None else (1, prefetch.ahead)
+        room, found = rows + ahead - prefetch.pending - len(self._ready), 0
         if room > 0 and self.inflight and time.monotonic() < self._next_look:
             return 0  # the queue was empty a moment ago: the engine steps on without asking the ledger every step
         if room > 0:
