@@ -3,14 +3,15 @@
 Documents: ``--docs`` held-out synthetic PDFs of ``--doc-pages`` pages (`scripts.bench.pipeline.write_documents`).
 First one uninterrupted ``uflash run`` of them (the reference). Then, in a fresh ledger and inbox, ``uflash watch``
 is started, and each time the ledger shows at least ``--in-flight`` chunks running (claimed, leased) it is killed with
-SIGKILL and started again, ``--kills`` times (a kill that cannot reach ``--in-flight`` within ``--wait`` seconds
-happens at whatever is in flight then, and says so); after the last one it runs until every document is done or
+SIGKILL and started again, ``--kills`` times (``--in-flight`` may give one count a kill, e.g. ``256,128,64``: after a
+crash the queue hands its chunks back in groups half as large; a kill that cannot reach its count within ``--wait``
+seconds happens at whatever is in flight then, and says so); after the last one it runs until every document is done or
 failed, and is stopped with SIGTERM. Checked: every document done (none failed), each page stored once in the ledger,
 every page's text equal to the reference's (bf16 on a GPU: a chunk's tokens do not depend on its batch, so the same
 setting gives the same text), the inbox empty, nothing in failed/. Prints a table and ends with one JSON line
 (also written to ``--json``).
 
-    python -m scripts.bench.crash --docs 150 --doc-pages 4 --chunk-pages 1 --in-flight 64 --json $OUT/crash.json
+    python -m scripts.bench.crash --docs 300 --doc-pages 1 --in-flight 256,128,64 --json $OUT/crash.json
 """
 
 from __future__ import annotations
@@ -59,19 +60,21 @@ def start_watch(config: Path, log) -> subprocess.Popen:
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def kill_when_in_flight(proc: subprocess.Popen, db: Database, want: int, wait: float) -> dict:
-    """SIGKILL ``proc`` once ``want`` chunks run (or after ``wait`` seconds with what runs then)."""
+def kill_when_in_flight(proc: subprocess.Popen, db: Database, want: int, wait: float, settle: float) -> dict:
+    """SIGKILL ``proc`` ``settle`` seconds after ``want`` chunks run (or after ``wait`` seconds with what runs then):
+    the worker holds them, some decoding, the rest being prepared."""
     t0 = time.perf_counter()
     running = 0
     while time.perf_counter() - t0 < wait and proc.poll() is None:
         running = running_chunks(db)
         if running >= want:
+            time.sleep(settle)
             break
         time.sleep(0.1)
     running = running_chunks(db)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    return {"after_s": round(time.perf_counter() - t0, 1), "in_flight": running, "reached": running >= want}
+    return {"after_s": round(time.perf_counter() - t0, 1), "want": want, "in_flight": running, "reached": running >= want}
 
 
 def wait_all_settled(db: Database, proc: subprocess.Popen, docs: int, timeout: float) -> bool:
@@ -97,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-tokens-per-page", type=int, default=1500)
     ap.add_argument("--kills", type=int, default=3)
-    ap.add_argument("--in-flight", type=int, default=64, help="kill once this many chunks are running")
+    ap.add_argument("--in-flight", default="64", help="kill once this many chunks are running (or one count a kill)")
     ap.add_argument("--wait", type=float, default=120.0, help="seconds a kill waits for --in-flight at most")
+    ap.add_argument("--settle", type=float, default=2.0, help="seconds from reaching the count to the kill")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds each phase may take at most")
     ap.add_argument("--work", type=Path, help="working folder (default: a temporary one)")
     ap.add_argument("--json", type=Path)
@@ -128,11 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     for d in docs:
         (s.inbox / d.name).write_bytes(d.read_bytes())
     db = Database(s.database_url, s.database.busy_timeout_ms)
+    wants = [int(x) for x in str(args.in_flight).split(",")]
     kills = []
     with open(crash.parent / "watch.log", "ab") as log:
         for k in range(args.kills):
             proc = start_watch(crash, log)
-            kills.append(kill_when_in_flight(proc, db, args.in_flight, args.wait))
+            kills.append(kill_when_in_flight(proc, db, wants[min(k, len(wants) - 1)], args.wait, args.settle))
             print(f"[{time.perf_counter() - t0:6.1f}s] kill {k + 1}: {kills[-1]}", flush=True)
         proc = start_watch(crash, log)
         settled = wait_all_settled(db, proc, len(docs), args.timeout)
