@@ -478,27 +478,32 @@ def _umask() -> int:
 
 def test_outputs_that_cannot_be_written_fail_that_document_only(tmp_path, tiny_model_dir):
     """A file in the way of one document's output folder fails that document with the reason; the other is done,
-    and a restart finds it failed instead of crashing on it again. Nothing is lost: its pages stay in the ledger and
-    its original stays in the inbox. The outputs written get the mode a plain open() gives (not mkstemp's 0600)."""
+    and a restart leaves it failed instead of crashing on it again. Nothing is lost: its pages stay in the ledger and
+    its original goes to failed/ beside its reason. The outputs written get the mode a plain open() gives (not
+    mkstemp's 0600)."""
     cfg = worker_config(tmp_path, tiny_model_dir)
     s = load_settings(cfg)
     s.ensure_folders()
     Image.new("RGB", (500, 300), "white").save(s.inbox / "typewriter.png")
     make_pdf(s.inbox / "letter.pdf", 2)
     (s.outbox / "typewriter").write_text("x\n", encoding="utf-8")  # a plain file where the folder would go
-    for attempt in (1, 2):  # the second run is the restart: the document is failed, not finalized again
-        r = uflash("--config", str(cfg), "run", timeout=600)
-        assert r.returncode == 4, r.stdout + r.stderr
-        assert "Traceback" not in r.stderr and "unexpected error" not in r.stderr, r.stderr
-        assert "failed  typewriter.png: outputs could not be written: [Errno 17] File exists" in r.stdout, attempt
-        assert ("typewriter.png: outputs could not be written" in r.stderr) == (attempt == 1), r.stderr
-    assert (s.inbox / "typewriter.png").exists(), "the original stays where it is"
+    r = uflash("--config", str(cfg), "run", timeout=600)
+    assert r.returncode == 4, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and "unexpected error" not in r.stderr, r.stderr
+    assert "failed  typewriter.png: outputs could not be written: [Errno 17] File exists" in r.stdout
+    assert "typewriter.png: outputs could not be written" in r.stderr, r.stderr
+    r = uflash("--config", str(cfg), "run", timeout=600)  # the restart: the document is failed, not finalized again
+    assert r.returncode == 0 and "nothing to do" in r.stdout, r.stdout + r.stderr
+    assert "typewriter.png" not in r.stderr, r.stderr
+    assert not (s.inbox / "typewriter.png").exists() and (s.failed / "typewriter.png").exists()
+    assert "outputs could not be written" in (s.failed / "typewriter.png.error.txt").read_text(encoding="utf-8")
     assert (s.outbox / "typewriter").read_text(encoding="utf-8") == "x\n"
     db = Database(s.database_url)
     with db.session() as ss:
         tw = ss.scalar(select(Document).where(Document.original_name == "typewriter.png"))
         letter = ss.scalar(select(Document).where(Document.original_name == "letter.pdf"))
     assert tw.status == "failed" and tw.archived_path is None and tw.output_dir is None
+    assert tw.failed_path == str(s.failed / "typewriter.png")
     assert [n for _, n in pages_in_db(db, tw.id)] == [1], "its pages stay in the ledger"
     assert letter.status == "done" and (s.archive / "letter.pdf").exists()
     st = uflash("--config", str(cfg), "status").stdout
@@ -509,7 +514,7 @@ def test_outputs_that_cannot_be_written_fail_that_document_only(tmp_path, tiny_m
 
 def test_original_that_cannot_be_archived_fails_that_document(tmp_path, tiny_model_dir):
     """Archiving is guarded the same way: the outputs are written, the document is failed with the reason, the
-    original stays in the inbox, and the worker goes on."""
+    original goes to failed/ beside its reason, and the worker goes on."""
     cfg = worker_config(tmp_path, tiny_model_dir)
     s = load_settings(cfg)
     s.ensure_folders()
@@ -523,7 +528,8 @@ def test_original_that_cannot_be_archived_fails_that_document(tmp_path, tiny_mod
         d = ss.get(Document, doc)
     assert d.status == "failed" and "but the original could not be archived: [Errno 17] File exists" in d.error
     assert d.output_dir == str(s.outbox / "memo") and (s.outbox / "memo" / "document.md").exists()
-    assert (s.inbox / "memo.pdf").exists()
+    assert not (s.inbox / "memo.pdf").exists() and (s.failed / "memo.pdf").exists()
+    assert d.error in (s.failed / "memo.pdf.error.txt").read_text(encoding="utf-8")
     serve_until_done(Worker(s, db, lambda: None), db)  # a restart leaves it failed, without touching the model
 
 

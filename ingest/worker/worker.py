@@ -16,7 +16,8 @@ claims only the chunks reserved for its run, with the earlier output of the same
 A worker holds no more chunks than the smallest batch limit among them (db.queue: the chunks of a worker that died
 with several in flight are decoded again in smaller groups, and one that died alone is charged an attempt); a claim
 returns its chunk's limit, and the worker claims only while there is room under it (db.queue.room_left). It says
-loudly whose chunks it took over and what became of them.
+loudly whose chunks it took over and what became of them, and puts the originals of documents that failed into
+failed/ (ingest.intake.failed).
 
 An error of the ledger or of the machine (ingest.errors.infrastructure_problem: the database gone or locked, a disk
 full) fails no chunk and no document: the worker keeps a decoded result and stores it once the ledger takes it, gives
@@ -42,6 +43,7 @@ from engine.chunk_output import ChunkOutput
 from engine.model.load import ModelLoadError, ModelNotFound
 from ingest.config import Settings
 from ingest.errors import ModelUnavailable, infrastructure_problem
+from ingest.intake.failed import file_failed
 from ingest.ledger.health import Trouble
 from ingest.ledger.leases import LeaseKeeper, say_whose_leases
 from ingest.ledger.owners import this_process
@@ -160,6 +162,7 @@ class Worker:
         if self.idle:
             self._log_leased()
             self.finisher.finish_ready()
+            self._file_failed()
             stop.wait(self.settings.worker.poll_seconds)
 
     def _log_leased(self) -> None:
@@ -193,15 +196,22 @@ class Worker:
         return room if left is None else min(room, left)
 
     def _taken_over(self, t: TakenOver) -> None:
-        """Say what became of the chunks of a worker that died (db.queue's crash rule)."""
+        """Say what became of the chunks of a worker that died (db.queue's crash rule); file away what failed."""
         what = ", ".join(f"document {d} pages {a}-{b}" for _, d, a, b in t.chunks)
         if not t.charged:
             logger.warning("took over {} chunk(s) of {}, which died with them in flight: {}; not counted as attempts, "
                            "decoded again at most {} at a time", len(t.chunks), t.owner, what, t.batch_limit)
         elif t.failed:
             logger.error("{} failed: {}", what, t.reason)
+            self._file_failed([d for _, d, _, _ in t.chunks])
         else:
             logger.warning("took over {} of {}, which died while decoding it alone: {}", what, t.owner, t.reason)
+
+    def _file_failed(self, doc_ids: list[int] | None = None) -> None:
+        """The originals of this worker's documents that failed (of ``doc_ids``) go to failed/."""
+        if doc_ids is not None and self.document_ids is not None:
+            doc_ids = [d for d in doc_ids if d in self.document_ids]
+        file_failed(self.settings, self.db, self.document_ids if doc_ids is None else doc_ids)
 
     def _start(self, ready: Prepared, stop: threading.Event) -> None:
         """A chunk the prefetch thread made ready: turned upright and submitted (or failed, or given back)."""
@@ -213,7 +223,8 @@ class Worker:
             return
         if isinstance(ready, Unreadable):
             self.leases.drop(c)
-            return unreadable(self.settings, self.db, ready)
+            unreadable(self.settings, self.db, ready)
+            return self._file_failed([c.document_id])
         try:
             decoder = self.decoder()
             self.run.open()
@@ -257,6 +268,7 @@ class Worker:
             self._store(chunk, out, stats)
         self._unsettled.remove(c)
         self.leases.drop(c)
+        self._file_failed([c.document_id])  # failed now, or by an earlier chunk once this one is settled
 
     def _store(self, chunk: PreparedChunk, out: ChunkOutput, stats: list[dict[str, Any]]) -> None:
         """Store the decoded chunk; while the ledger is in trouble the result is kept, and stored once it works."""
