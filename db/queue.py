@@ -96,7 +96,8 @@ def _take_over_dead(conn: Connection, now: float, max_attempts: int, claimer: st
     (or failed, on its last attempt) when it died with this chunk alone."""
     dead = [o for (o,) in conn.execute(select(T.c.lease_owner).where(
         T.c.status == ChunkStatus.RUNNING, T.c.lease_expires_at < now, T.c.run_id.is_(None),
-        *([] if claimer is None else [func.coalesce(T.c.lease_owner, "") != claimer])).distinct())]
+        *([] if claimer is None else [func.coalesce(T.c.lease_owner, "") != claimer]))
+        .distinct().order_by(T.c.lease_owner))]  # in one order: two claims lock the same rows in the same order
     out = []
     for owner in dead:
         mine = and_(T.c.status == ChunkStatus.RUNNING, T.c.run_id.is_(None),
