@@ -127,9 +127,10 @@ def failed_unfiled(db: Database, ids: Collection[int] | None = None) -> list[Doc
         return list(s.scalars(query.order_by(Document.id)))
 
 
-def set_failed_path(db: Database, doc_id: int, path: Path, only_if_unset: bool = False) -> bool:
-    """Record where the failed document's original lies; with ``only_if_unset``, only when no one recorded it yet
-    (two workers filing the same document: one does). False when the document is no longer failed (or it was set)."""
+def set_failed_path(db: Database, doc_id: int, path: Path | str, only_if_unset: bool = False) -> bool:
+    """Record where the failed document's original lies ("": nowhere to be found); with ``only_if_unset``, only when
+    no one recorded it yet (two workers filing the same document: one does). False when the document is no longer
+    failed (or it was set)."""
     cond = [D.c.id == doc_id, D.c.status == DocStatus.FAILED]
     if only_if_unset:
         cond.append(D.c.failed_path.is_(None))

@@ -86,7 +86,7 @@ class Document(Base):
     error: Mapped[str | None] = mapped_column(CleanText, default=None)
     archived_path: Mapped[str | None] = mapped_column(Text, default=None)
     # while failed: where its original lies (in failed/, beside <name>.error.txt; or where it stayed, when it could
-    # not be put there); None while it is not failed, or not yet filed away (ingest.intake.failed)
+    # not be put there; "" when it was not found); None while it is not failed, or not yet filed (ingest.intake.failed)
     failed_path: Mapped[str | None] = mapped_column(Text, default=None)
     output_dir: Mapped[str | None] = mapped_column(Text, default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -727,6 +727,7 @@ def test_a_queued_file_replaced_under_the_same_name_is_not_decoded_as_the_old_do
         gone = ss.get(Document, queued.document_id)
         new = ss.scalar(select(Document).where(Document.id > queued.document_id))
     assert gone.status == DocStatus.FAILED and "replaced by other content" in gone.error
+    assert gone.failed_path == "" and not any(s.failed.iterdir()), "the file at its path is another document's"
     assert new is not None and new.status == DocStatus.DONE and new.page_count == 2
     doc = json.loads((Path(new.output_dir) / "document.json").read_text(encoding="utf-8"))
     assert doc["document"]["sha256"] == new.sha256 != gone.sha256 and len(doc["pages"]) == 2

@@ -97,8 +97,8 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append("failed documents (`uflash retry --doc ID` queues one again):")
         for d in st["failed_documents"]:
             lines.append(f"  #{d['id']} {d['name']}: {d['error']}")
-            if d.get("original"):
-                lines.append(f"      its original: {d['original']}")
+            if d.get("original") is not None:
+                lines.append(f"      its original: {d['original'] or 'not found where it was taken in'}")
     if st["retrying_chunks"]:
         lines.append("chunks waiting, with their last error:")
         lines += [f"  chunk {c['id']} (doc {c['document_id']}, pages {c['pages']}, attempt {c['attempts']}): "

@@ -11,8 +11,8 @@ Where the original goes: moved into failed/ when it lies in uflash's own folders
 that failed after it was finished, in a re-run), copied there when it is the user's file named outside them (``uflash
 run PATH``: never moved). An original that is gone, that is no longer the document's content (another file took its
 name), or that cannot be moved (access denied) stays where it is, and the log says so. The document records where its
-original lies (``documents.failed_path``): only one worker files it, and a failed original found at its old path in
-the inbox again was dropped there again (a retry), not left there.
+original lies (``documents.failed_path``; empty when it is nowhere to be found): only one worker files it, and a
+failed original found at its old path in the inbox again was dropped there again (a retry), not left there.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def _file(settings: Settings, db: Database, doc: Document) -> Path | None:
         why_not = f"its original is no longer at {src}"
     elif src == Path(doc.original_path) and not _is_its_content(doc, src):
         why_not = f"the file at {src} is no longer its content"
-    if why_not is not None:
-        if set_failed_path(db, doc.id, src, only_if_unset=True):
+    if why_not is not None:  # recorded as nowhere: the file, found or dropped again, is its retry
+        if set_failed_path(db, doc.id, "", only_if_unset=True):
             logger.error("{} failed: {}; nothing put in {} ({})", doc.original_name, doc.error, settings.failed,
                          why_not)
         return None
