@@ -97,14 +97,17 @@ def create_document(db: Database, original: dict, sha256: str, kind: str, page_c
 def retry_failed(db: Database, doc_id: int, original: dict | None = None) -> int | None:
     """Give a failed document another try: its failed chunks go back to the queue with their attempts (and the
     crashes they were charged) reset, and the document is queued again (``original``: the file that is its original
-    from now on). Done chunks and their pages stay as they are; a chunk keeps its batch limit (one that killed its
+    from now on, ``original_of``'s columns, which makes it unarchived; or only ``archived_path``: where its archived
+    original is now). Done chunks and their pages stay as they are; a chunk keeps its batch limit (one that killed its
     worker is tried alone again). A failed chunk that was reserved for a re-run is freed for any worker (that run has
     ended, and nothing else would ever claim it). Returns how many chunks were re-queued; None when the document was
     no longer failed (another intake re-queued it a moment ago)."""
+    values: dict = dict(status=DocStatus.QUEUED, error=None, failed_path=None)
+    if original and "original_path" in original:
+        values["archived_path"] = None
+    values.update(original or {})
     with db.engine.begin() as conn:
-        res = conn.execute(update(D).where(D.c.id == doc_id, D.c.status == DocStatus.FAILED).values(
-            **(original or {}), archived_path=None if original else D.c.archived_path, status=DocStatus.QUEUED,
-            error=None, failed_path=None))
+        res = conn.execute(update(D).where(D.c.id == doc_id, D.c.status == DocStatus.FAILED).values(**values))
         if res.rowcount != 1:
             return None
         return conn.execute(update(C).where(C.c.document_id == doc_id, C.c.status == ChunkStatus.FAILED).values(

@@ -307,6 +307,21 @@ def test_retry_puts_a_failed_original_back_and_queues_its_document(settings, db,
     assert [(c.status, c.attempts, c.last_error) for c in chunks] == [(ChunkStatus.QUEUED, 0, None)] * 2
 
 
+def test_retry_puts_the_original_back_beside_another_file_that_took_its_name(settings, db):
+    """While a.pdf waited in failed/, another a.pdf was dropped into the inbox (a document of its own): the retried
+    original goes back as "a (2).pdf", and that is its original from now on; the other file is left alone."""
+    from ingest.intake.failed import retry_document
+
+    doc_id = _failed_and_filed(settings, db, make_pdf(settings.inbox / "a.pdf", 1))
+    other = make_pdf(settings.inbox / "a.pdf", ["another scan under the same name"])
+    _, n, where = retry_document(settings, db, doc_id)
+    assert (n, where) == (1, settings.inbox / "a (2).pdf") and where.exists() and other.exists()
+    with db.session() as s:
+        doc = s.get(Document, doc_id)
+    assert (doc.status, doc.original_path, doc.original_name) == (DocStatus.QUEUED, str(where), "a (2).pdf")
+    assert intake_file(db, settings, where).outcome == "known" and intake_file(db, settings, other).outcome == "document"
+
+
 def test_uflash_retry_says_what_it_did_and_refuses_unknown_ids(settings, db, config_path):
     from tests.conftest import uflash
 

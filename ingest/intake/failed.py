@@ -127,18 +127,21 @@ def retry_document(settings: Settings, db: Database, doc_id: int, check_only: bo
         return doc, None, Path(doc.failed_path or doc.original_path)
     kept = Path(doc.failed_path) if doc.failed_path else None
     home = Path(doc.archived_path) if doc.archived_path else Path(doc.original_path)
-    back, original = home, None
+    back, columns = home, None
     moved = kept is not None and kept != home and is_inside(kept, settings.failed) and kept.exists() \
-        and not home.exists()  # it was moved into failed/ (not copied): back where it came from
-    if moved:
-        if not doc.archived_path:  # the inbox (or where it was taken in), under its name or another free one
-            back = unique_destination(home.parent if home.parent.is_dir() else settings.inbox, home.name)
+        and not (home.exists() and _is_its_content(doc, home))  # moved into failed/ (not copied): back it goes
+    if moved:  # where it came from (under its name, or another free one), or into the inbox (uflash's own folders)
+        ours = home.parent.is_dir() and (is_inside(home, settings.inbox) or is_inside(home, settings.archive))
+        folder = home.parent if ours else settings.archive if doc.archived_path else settings.inbox
+        back = unique_destination(folder, home.name)
         shutil.move(str(kept), str(back))
         if not doc.archived_path:
             st = back.stat()
-            original = original_of(back, st.st_size, st.st_mtime_ns)
+            columns = original_of(back, st.st_size, st.st_mtime_ns)
+        elif back != home:
+            columns = {"archived_path": str(back)}
     try:
-        n = retry_failed(db, doc_id, original)
+        n = retry_failed(db, doc_id, columns)
     except BaseException:
         if moved:  # the ledger did not take it: the original goes back into failed/
             shutil.move(str(back), str(kept))
