@@ -201,7 +201,7 @@ def test_a_poison_document_kills_the_worker_until_it_fails_alone_and_the_others_
             continue
         out = _stop(proc)
         break
-    assert _settled(db, ids), out
+    assert _settled(db, ids), f"not done after {deaths} deaths\n{out}"
     assert 3 <= deaths <= 5, deaths  # the last death is followed by the restart that fails it
     with db.session() as ss:
         docs = {d.id: d for d in ss.scalars(select(Document))}

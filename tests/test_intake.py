@@ -334,6 +334,7 @@ def test_uflash_retry_says_what_it_did_and_refuses_unknown_ids(settings, db, con
     r = uflash("--config", str(config_path), "retry", "--all")
     assert r.returncode == 0 and f"queued  #{doc_id} a.pdf: 1 chunk(s) again, its original at " \
         f"{settings.inbox / 'a.pdf'}" in r.stdout, r.stdout + r.stderr
+    assert (settings.inbox / "a.pdf").exists() and not any(settings.failed.iterdir())
     r = uflash("--config", str(config_path), "retry", "--doc", str(doc_id))
     assert r.returncode == 2 and f"document {doc_id} (a.pdf) is queued, not failed" in r.stderr, r.stderr
 
