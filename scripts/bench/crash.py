@@ -51,8 +51,13 @@ def ledger_texts(config: Path) -> tuple[dict[tuple[str, int], str], Counter, dic
         db.dispose()
 
 
-def running_chunks(db: Database) -> int:
-    return int(ledger_counts(db, limit=0)["chunks"].get(ChunkStatus.RUNNING, 0))
+def running_chunks(db: Database, pid: int | None = None) -> int:
+    """Chunks running in the ledger; with ``pid``: only those whose lease that process holds (owners are
+    ``host:pid:start``), not those a killed worker still seems to hold until they are taken over."""
+    if pid is None:
+        return int(ledger_counts(db, limit=0)["chunks"].get(ChunkStatus.RUNNING, 0))
+    return sum(n for owner, n, _ in ledger_counts(db, limit=0)["leases"]
+               if owner and owner.split(":")[1:2] == [str(pid)])
 
 
 def start_watch(config: Path, log) -> subprocess.Popen:
@@ -62,16 +67,17 @@ def start_watch(config: Path, log) -> subprocess.Popen:
 
 def kill_when_in_flight(proc: subprocess.Popen, db: Database, want: int, wait: float, settle: float) -> dict:
     """SIGKILL ``proc`` ``settle`` seconds after ``want`` chunks run (or after ``wait`` seconds with what runs then):
-    the worker holds them, some decoding, the rest being prepared."""
+    the worker holds them (its own leases, not those of the worker killed before it), some decoding, the rest being
+    prepared."""
     t0 = time.perf_counter()
     running = 0
     while time.perf_counter() - t0 < wait and proc.poll() is None:
-        running = running_chunks(db)
+        running = running_chunks(db, proc.pid)
         if running >= want:
             time.sleep(settle)
             break
         time.sleep(0.1)
-    running = running_chunks(db)
+    running = running_chunks(db, proc.pid)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     return {"after_s": round(time.perf_counter() - t0, 1), "want": want, "in_flight": running, "reached": running >= want}
