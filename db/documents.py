@@ -5,7 +5,8 @@ while any chunk is pending, ``failed`` when a chunk failed and nothing is pendin
 become the document's error), and ``done`` once its outputs are written (``finish_document``). A document whose
 chunks are all done (or split into chunks that are) but that is not finished yet is *ready*: the worker writes its
 outputs. ``fail_document`` records a document that could not be finished (its outputs or its archiving failed), and
-``retry_failed`` gives a failed one another try.
+``retry_failed`` gives a failed one another try. A failed document records where its original lies while it is failed
+(``failed_path``: ingest.intake.failed puts it in failed/).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Collection, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
-from sqlalchemy import Connection, func, select, update
+from sqlalchemy import Connection, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 
 from db.models import Chunk, ChunkStatus, DocStatus, Document
@@ -64,11 +65,14 @@ def document_by_sha(db: Database, sha256: str) -> Document | None:
 
 
 def document_of_file(db: Database, path: Path, size: int, mtime_ns: int) -> int | None:
-    """The id of the document this very file (path, size, mtime) already is, while it waits in place."""
+    """The id of the document this very file (path, size, mtime) already is, while it waits in place (or failed and
+    stayed there). A failed document's original that was put in failed/ and is found at its old path again was
+    dropped there again: not this."""
     with db.session() as s:
         return s.scalar(select(Document.id).where(
             Document.original_path == str(path), Document.size_bytes == size, Document.mtime_ns == mtime_ns,
-            Document.archived_path.is_(None)))
+            Document.archived_path.is_(None),
+            or_(Document.failed_path.is_(None), Document.failed_path == Document.original_path)))
 
 
 def original_of(path: Path, size: int, mtime_ns: int) -> dict:
@@ -91,19 +95,50 @@ def create_document(db: Database, original: dict, sha256: str, kind: str, page_c
 
 
 def retry_failed(db: Database, doc_id: int, original: dict | None = None) -> int | None:
-    """Give a failed document another try: its failed chunks go back to the queue with their attempts reset, and the
-    document is queued again (``original``: the file that is its original from now on). Done chunks and their pages
-    stay as they are. A failed chunk that was reserved for a re-run is freed for any worker (that run has ended, and
-    nothing else would ever claim it). Returns how many chunks were re-queued; None when the document was no longer
-    failed (another intake re-queued it a moment ago)."""
+    """Give a failed document another try: its failed chunks go back to the queue with their attempts (and the
+    crashes they were charged) reset, and the document is queued again (``original``: the file that is its original
+    from now on, ``original_of``'s columns, which makes it unarchived; or only ``archived_path``: where its archived
+    original is now). Done chunks and their pages stay as they are; a chunk keeps its batch limit (one that killed its
+    worker is tried alone again). A failed chunk that was reserved for a re-run is freed for any worker (that run has
+    ended, and nothing else would ever claim it). Returns how many chunks were re-queued; None when the document was
+    no longer failed (another intake re-queued it a moment ago)."""
+    values: dict = dict(status=DocStatus.QUEUED, error=None, failed_path=None)
+    if original and "original_path" in original:
+        values["archived_path"] = None
+    values.update(original or {})
     with db.engine.begin() as conn:
-        res = conn.execute(update(D).where(D.c.id == doc_id, D.c.status == DocStatus.FAILED).values(
-            **(original or {}), archived_path=None if original else D.c.archived_path, status=DocStatus.QUEUED,
-            error=None))
+        res = conn.execute(update(D).where(D.c.id == doc_id, D.c.status == DocStatus.FAILED).values(**values))
         if res.rowcount != 1:
             return None
         return conn.execute(update(C).where(C.c.document_id == doc_id, C.c.status == ChunkStatus.FAILED).values(
-            status=ChunkStatus.QUEUED, attempts=0, next_attempt_at=0.0, last_error=None, run_id=None)).rowcount
+            status=ChunkStatus.QUEUED, attempts=0, solo_crashes=0, next_attempt_at=0.0, last_error=None,
+            run_id=None)).rowcount
+
+
+def failed_documents(db: Database) -> list[int]:
+    """The failed documents, by id."""
+    with db.session() as s:
+        return list(s.scalars(select(Document.id).where(Document.status == DocStatus.FAILED).order_by(Document.id)))
+
+
+def failed_unfiled(db: Database, ids: Collection[int] | None = None) -> list[Document]:
+    """Failed documents (of ``ids``, when given) whose original was not filed away yet (no ``failed_path``)."""
+    with db.session() as s:
+        query = select(Document).where(Document.status == DocStatus.FAILED, Document.failed_path.is_(None))
+        if ids is not None:
+            query = query.where(among(Document.id, ids))
+        return list(s.scalars(query.order_by(Document.id)))
+
+
+def set_failed_path(db: Database, doc_id: int, path: Path | str, only_if_unset: bool = False) -> bool:
+    """Record where the failed document's original lies ("": nowhere to be found); with ``only_if_unset``, only when
+    no one recorded it yet (two workers filing the same document: one does). False when the document is no longer
+    failed (or it was set)."""
+    cond = [D.c.id == doc_id, D.c.status == DocStatus.FAILED]
+    if only_if_unset:
+        cond.append(D.c.failed_path.is_(None))
+    with db.engine.begin() as conn:
+        return conn.execute(update(D).where(*cond).values(failed_path=str(path))).rowcount == 1
 
 
 def adopt_path(db: Database, doc: Document, original: dict) -> bool:

@@ -85,6 +85,9 @@ class Document(Base):
     status: Mapped[DocStatus] = mapped_column(status_column(DocStatus), default=DocStatus.QUEUED, index=True)
     error: Mapped[str | None] = mapped_column(CleanText, default=None)
     archived_path: Mapped[str | None] = mapped_column(Text, default=None)
+    # while failed: where its original lies (in failed/, beside <name>.error.txt; or where it stayed, when it could
+    # not be put there; "" when it was not found); None while it is not failed, or not yet filed (ingest.intake.failed)
+    failed_path: Mapped[str | None] = mapped_column(Text, default=None)
     output_dir: Mapped[str | None] = mapped_column(Text, default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
@@ -155,6 +158,10 @@ class Chunk(Base):
     last_page: Mapped[int] = mapped_column(Integer)  # 1-based, inclusive
     status: Mapped[ChunkStatus] = mapped_column(status_column(ChunkStatus), default=ChunkStatus.QUEUED)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # at most this many chunks decode beside it in one worker, itself included (None: no limit); set when a worker
+    # died with it in flight (db.queue says how)
+    batch_limit: Mapped[int | None] = mapped_column(Integer, default=None)
+    solo_crashes: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # its worker died; it alone
     lease_owner: Mapped[str | None] = mapped_column(String(255), default=None)
     lease_expires_at: Mapped[float | None] = mapped_column(Float, default=None)
     next_attempt_at: Mapped[float] = mapped_column(Float, default=0.0)

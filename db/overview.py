@@ -20,7 +20,7 @@ def ledger_counts(db: Database, limit: int = 20) -> dict[str, Any]:
         docs = dict(s.execute(select(Document.status, func.count()).group_by(Document.status)).all())
         chunks = dict(s.execute(select(Chunk.status, func.count()).group_by(Chunk.status)).all())
         pages = s.scalar(select(func.coalesce(func.sum(Document.page_count), 0)))
-        failed = s.execute(select(Document.id, Document.original_name, Document.error)
+        failed = s.execute(select(Document.id, Document.original_name, Document.error, Document.failed_path)
                            .where(Document.status == DocStatus.FAILED).order_by(Document.id.desc()).limit(limit)).all()
         rejected = s.execute(select(Rejected.name, Rejected.reason, Rejected.moved_to)
                              .order_by(Rejected.id.desc()).limit(limit)).all()

@@ -54,3 +54,11 @@ def done_documents_with_pages_of_run(db: Database, run_id: int, doc_ids: Collect
         return list(s.scalars(select(Page.document_id).where(Page.run_id == run_id, among(Page.document_id, doc_ids))
                               .join(Document, Document.id == Page.document_id)
                               .where(Document.status == DocStatus.DONE).distinct().order_by(Page.document_id)))
+
+
+def page_row_counts(db: Database) -> dict[tuple[int, int], int]:
+    """(document id, page index) -> how many page rows the ledger holds for it (one per decode kept: a re-run adds
+    one, a crash must not)."""
+    with db.session() as s:
+        return {(d, i): n for d, i, n in s.execute(select(Page.document_id, Page.page_index, func.count())
+                                                   .group_by(Page.document_id, Page.page_index))}

@@ -25,6 +25,7 @@ from sqlalchemy import (
     create_engine,
     event,
     func,
+    inspect,
     make_url,
     select,
     text,
@@ -34,7 +35,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from db.models import Base, Run, RunEnd, SchemaVersion
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 def _v2_run_owner_and_end(conn: Connection) -> None:
@@ -59,8 +60,24 @@ def _v3_64_bit_sizes_and_mtimes(conn: Connection) -> None:
         conn.execute(text(f"ALTER TABLE {table} " + ", ".join(f"ALTER COLUMN {c} TYPE BIGINT" for c in columns)))
 
 
+def _v4_batch_limits_and_failed_paths(conn: Connection) -> None:
+    """chunks.batch_limit and chunks.solo_crashes (a worker that died with chunks in flight: db.queue), and
+    documents.failed_path (where a failed document's original lies: ingest.intake.failed). Chunks get no limit, and
+    documents failed before keep their originals where they are (their failed_path is set to it). A column already
+    there is left as it is."""
+    have = {t: {c["name"] for c in inspect(conn).get_columns(t)} for t in ("chunks", "documents")}
+    for table, column, kind in (("chunks", "batch_limit", "INTEGER"),
+                                ("chunks", "solo_crashes", "INTEGER NOT NULL DEFAULT 0"),
+                                ("documents", "failed_path", "TEXT")):
+        if column not in have[table]:
+            conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {column} {kind}"))
+    conn.execute(text("UPDATE documents SET failed_path = COALESCE(archived_path, original_path) "
+                      "WHERE status = 'failed' AND failed_path IS NULL"))
+
+
 # version -> function(connection) that upgrades from version-1. Add an entry with every schema change.
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {2: _v2_run_owner_and_end, 3: _v3_64_bit_sizes_and_mtimes}
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {2: _v2_run_owner_and_end, 3: _v3_64_bit_sizes_and_mtimes,
+                                                       4: _v4_batch_limits_and_failed_paths}
 
 
 class SchemaTooNew(RuntimeError):

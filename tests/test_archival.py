@@ -20,7 +20,17 @@ from PIL import Image, ImageDraw
 from engine.chunk_output import assemble
 from engine.official import DecodeResult
 from ingest.reading.words import GRID, layout_page, page_segments, plain_words
-from tests.conftest import DEMO, HAS_DEMO, ROOT, make_pdf, needs_demo, serve_until, uflash, worker_config
+from tests.conftest import (
+    DEMO,
+    HAS_DEMO,
+    ROOT,
+    assert_pdfa_2b,
+    make_pdf,
+    needs_demo,
+    serve_until,
+    uflash,
+    worker_config,
+)
 
 SCHEMA = ROOT.parent / "shared" / "schemas" / "alto-4-4.xsd"
 ALTO = "{http://www.loc.gov/standards/alto/ns-v4#}"
@@ -262,45 +272,10 @@ def test_the_hocr_parses_with_an_hocr_library_and_carries_the_same_words_and_box
     assert seen == 2
 
 
-def _fonts(pdf: pikepdf.Pdf):
-    """Every font the pages draw with, in their forms too (OCRmyPDF's text layer is a form on the page)."""
-    def walk(resources):
-        if not isinstance(resources, pikepdf.Dictionary):
-            return
-        for _, font in (resources.get("/Font") or {}).items():
-            yield font
-            for sub in font.get("/DescendantFonts") or []:
-                yield sub
-        for _, xobj in (resources.get("/XObject") or {}).items():
-            if xobj.get("/Subtype") == "/Form":
-                yield from walk(xobj.get("/Resources"))
-
-    for page in pdf.pages:
-        yield from walk(page.Resources)
-
-
 def _word_in(word: pymupdf.Rect, element: pymupdf.Rect) -> bool:
     """A word of the text layer sits in its element: across within half a point, its middle inside (the height PyMuPDF
     gives a word is its font's ascent to descent, which may reach past the element's box)."""
     return element.x0 - 0.5 <= word.x0 and word.x1 <= element.x1 + 0.5 and element.y0 <= (word.y0 + word.y1) / 2 <= element.y1
-
-
-def assert_pdfa_2b(path: Path) -> None:
-    """The file opens, claims PDF/A-2b in its XMP, carries the PDF/A output intent with its ICC profile, and embeds
-    every font it uses."""
-    with pikepdf.open(path) as pdf:
-        meta = pdf.open_metadata()
-        assert meta.pdfa_status == "2B"
-        assert str(meta.get("pdfaid:part")) == "2" and str(meta.get("pdfaid:conformance")) == "B"
-        intents = [i for i in pdf.Root.get("/OutputIntents") or [] if i.get("/S") == "/GTS_PDFA1"]
-        assert len(intents) == 1 and isinstance(intents[0].get("/DestOutputProfile"), pikepdf.Stream)
-        fonts = list(_fonts(pdf))
-        assert fonts
-        for font in fonts:
-            if font.get("/Subtype") in ("/Type0",):
-                continue  # its glyphs are in its descendant, checked too
-            desc = font.get("/FontDescriptor")
-            assert desc is not None and any(k in desc for k in ("/FontFile", "/FontFile2", "/FontFile3")), font
 
 
 def test_the_pdf_is_pdfa_2b_with_embedded_fonts_and_each_word_inside_its_element(archived):

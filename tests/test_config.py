@@ -37,6 +37,14 @@ def test_shipped_config_toml_loads(monkeypatch):
     builtin["engine"].pop("max_pages_per_chunk")
     assert shipped == builtin
     assert (s.engine.mode, s.quality.repair, s.orientation.auto, s.model.path) == ("lossless", True, True, "models/demo")
+    # the defaults that keep a night's work safe, each by its value: exact text, every output, a file taken only once
+    # it is complete, a lease that outlives several missed heartbeats, a few attempts with a pause before each
+    assert (s.model.device, s.model.dtype, s.engine.max_batch, s.engine.kernels) == ("auto", "auto", "auto", "auto")
+    assert s.outputs.formats == ["md", "json", "pdf", "alto"] and s.database.url == "sqlite:///var/uflash.db"
+    assert (s.watch.settle_seconds, s.watch.incomplete_grace_seconds, s.watch.rescan_seconds) == (5.0, 600.0, 60.0)
+    assert (s.worker.lease_seconds, s.worker.heartbeat_seconds) == (300.0, 30.0)
+    assert (s.worker.max_attempts, s.worker.backoff_seconds) == (3, 30.0)
+    assert s.engine.max_tokens_per_page is None and s.watch.max_page_pixels == 150_000_000
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,15 @@ def toml_keys(text: str) -> dict[str, dict]:
     return out
 
 
+def commented_values(text: str) -> dict[tuple[str, str], object]:
+    """(section, key) -> the value config.toml shows for a key it leaves commented out (``# key = value``)."""
+    out = {}
+    for section, body in re.findall(r"^\[(\w+)\]\n(.*?)(?=^\[|\Z)", text, flags=re.M | re.S):
+        for key, value in re.findall(r"^# (\w+) = (\S+)", body, flags=re.M):
+            out[(section, key)] = tomllib.loads(f"v = {value}")["v"]
+    return out
+
+
 def _value(cell: str):
     return None if cell == "none" else tomllib.loads(f"v = {cell}")["v"]
 
@@ -61,3 +70,8 @@ def test_config_toml_config_py_and_the_docs_agree():
             shown, documented_builtin = docs[section][key]
             assert documented_builtin == default, (section, key, "docs vs ingest/config.py")
             assert shown == shipped[section][key], (section, key, "docs vs config.toml")
+    # a key config.toml shows commented out shows ingest/config.py's default (an example only where the default is
+    # none, e.g. max_tokens_per_page)
+    for (section, key), value in commented_values((ROOT / "config.toml").read_text(encoding="utf-8")).items():
+        if builtin[section][key] is not None:
+            assert value == builtin[section][key], (section, key, "config.toml's commented value vs ingest/config.py")

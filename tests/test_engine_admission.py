@@ -143,3 +143,22 @@ def test_a_cache_that_cannot_grow_for_every_row_keeps_fewer_rows_and_loses_nothi
             assert res.request.key not in ended
             ended[res.request.key] = res.output_ids
     assert [ended[i] for i in range(len(CHUNKS))] == expected
+
+
+def test_the_auto_batch_keeps_room_for_the_vision_towers_attention_scores():
+    """SAM's global attention materialises a score matrix per head and page: at the real model's 1024-pixel pages in
+    bf16, 8 pages a vision call allocate 3 GiB in one piece (the allocation that once ran a 16-page batch out of
+    memory at admission). The admission reserve holds it twice (scores and softmax) beside the rest, and grows with
+    the pages a vision call takes."""
+    from types import SimpleNamespace
+
+    from transformers import UnlimitedOcrConfig
+
+    from engine.batch.memory import VISION_BASE, admission_bytes, vision_bytes
+
+    real = SimpleNamespace(model=SimpleNamespace(config=UnlimitedOcrConfig()), dtype=torch.bfloat16)
+    scores_8_pages = 8 * 12 * (1024 // 16) ** 4 * 2
+    assert scores_8_pages == 3 * 2**30
+    assert vision_bytes(real) == VISION_BASE + 2 * scores_8_pages
+    assert vision_bytes(real, vision_group=4) == VISION_BASE + scores_8_pages
+    assert admission_bytes(real) - admission_bytes(real, vision_group=4) == scores_8_pages

@@ -51,6 +51,13 @@ def test_bench_engine_tiny_smoke(tmp_path, capsys, monkeypatch):
                 clock.tick = 1.0
         return wrapper
 
+    # the width choice measures real step times: on a busy CPU it may judge drafting not worth it and never verify a
+    # draft; every step costing the same makes it verify them, as it does where wide steps are nearly free (a GPU)
+    from engine.batch.step_width import StepWidth
+
+    observe = StepWidth.observe
+    monkeypatch.setattr(StepWidth, "observe", lambda self, rows, prefix, width, block, seconds, *a, **k: observe(
+        self, rows, prefix, width, block, None if seconds is None else 0.01, *a, **k))
     monkeypatch.setattr(bench_engine, "run_generate", timed(bench_engine.run_generate, lambda a, kw: "generate"))
     monkeypatch.setattr(bench_engine, "run_engine", timed(bench_engine.run_engine, lambda a, kw: a[4]))
     path = tmp_path / "bench.json"

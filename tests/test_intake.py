@@ -212,6 +212,133 @@ def test_a_failed_file_named_again_on_purpose_is_retried_but_not_by_a_rescan(set
     assert intake_file(db, settings, outside, retry_failed=True).outcome == "known", "queued: nothing to retry"
 
 
+def _failed_and_filed(settings, db, path) -> int:
+    """``path`` taken in, its only chunk failed for good, and failed documents filed away (as the worker does)."""
+    from ingest.intake.failed import file_failed
+
+    doc_id = intake_file(db, settings, path).document_id
+    c = claim(db, "w", lease_seconds=60, max_attempts=3)
+    assert fail(db, c, "cannot render: boom", max_attempts=3, backoff_seconds=0, permanent=True) == "failed"
+    assert file_failed(settings, db) == [settings.failed / path.name]
+    return doc_id
+
+
+def test_a_failed_documents_original_goes_to_failed_and_dropped_again_it_is_retried(settings, db):
+    """A failed document's original goes to failed/ beside its reason (once). The rule for failed content still
+    holds: dropped into the inbox again, it is retried; also when it is the very file moved back (same name, same
+    mtime), and failed/ keeps nothing of it then. A copy dropped under another name is retried the same way (the
+    copy left in failed/ is removed)."""
+    from ingest.intake.failed import file_failed
+
+    a = make_pdf(settings.inbox / "a.pdf", 1)
+    doc_id = _failed_and_filed(settings, db, a)
+    kept = settings.failed / "a.pdf"
+    assert not a.exists() and kept.exists()
+    note = (settings.failed / "a.pdf.error.txt").read_text(encoding="utf-8")
+    assert f"file: {a}\n" in note and "reason: pages 1-1: cannot render: boom\n" in note, note
+    assert f"`uflash retry --doc {doc_id}`" in note
+    assert file_failed(settings, db) == []  # filed once
+    with db.session() as s:
+        assert s.get(Document, doc_id).failed_path == str(kept)
+    shutil.move(kept, a)  # dropped into the inbox again: the very file, under its name and mtime
+    r = intake_file(db, settings, a)
+    assert (r.outcome, r.document_id) == ("requeued", doc_id)
+    assert not any(settings.failed.iterdir())
+    with db.session() as s:
+        doc = s.get(Document, doc_id)
+        assert (doc.status, doc.failed_path, doc.original_path) == (DocStatus.QUEUED, None, str(a))
+    assert intake_file(db, settings, a).outcome == "known", "waiting in the inbox: a rescan leaves it"
+    c = claim(db, "w", lease_seconds=60, max_attempts=3)
+    fail(db, c, "cannot render: boom again", max_attempts=3, backoff_seconds=0, permanent=True)
+    assert file_failed(settings, db) == [kept] and not a.exists()
+    copy = settings.inbox / "a copy.pdf"
+    shutil.copyfile(kept, copy)
+    assert intake_file(db, settings, copy).outcome == "requeued" and copy.exists()
+    assert not any(settings.failed.iterdir())
+
+
+def test_a_failed_original_that_cannot_be_moved_stays_and_is_not_retried_by_a_rescan(settings, db, monkeypatch):
+    """An original that cannot be moved into failed/ (access denied) stays in the inbox, recorded there: a rescan
+    of the inbox does not retry it (it would fail again, for ever), as before."""
+    import ingest.intake.failed
+
+    def denied(src, dest):
+        raise PermissionError(13, "Permission denied", src)
+
+    monkeypatch.setattr(ingest.intake.failed.shutil, "move", denied)
+    a = make_pdf(settings.inbox / "a.pdf", 1)
+    doc_id = intake_file(db, settings, a).document_id
+    fail(db, claim(db, "w", 60, 3), "cannot render: boom", 3, 0, permanent=True)
+    assert ingest.intake.failed.file_failed(settings, db) == [] and a.exists()
+    with db.session() as s:
+        assert s.get(Document, doc_id).failed_path == str(a)
+    assert not any(settings.failed.iterdir())
+    assert intake_file(db, settings, a).outcome == "known"
+    assert ingest.intake.failed.file_failed(settings, db) == []  # not tried again at every look
+
+
+def test_retry_puts_a_failed_original_back_and_queues_its_document(settings, db, tmp_path):
+    """`uflash retry`: the original moved into failed/ goes back to the inbox, a copy of a file named outside the
+    inbox is removed (the file stays where the user keeps it), the notes go, the failed chunks are queued with their
+    attempts reset; an unknown id and a document that is not failed are refused, changing nothing."""
+    from ingest.intake.failed import file_failed, retry_document
+
+    a = make_pdf(settings.inbox / "a.pdf", 1)
+    doc_a = _failed_and_filed(settings, db, a)
+    outside = make_pdf(tmp_path / "shelf" / "b.pdf", ["b"])
+    doc_b = intake_file(db, settings, outside).document_id
+    fail(db, claim(db, "w", 60, 3), "ValueError: boom", 3, 0, permanent=True)
+    assert file_failed(settings, db) == [settings.failed / "b.pdf"] and outside.exists()
+    for bad, error in ((999, LookupError), (doc_b + 1, LookupError)):
+        with pytest.raises(error, match=f"no document {bad}"):
+            retry_document(settings, db, bad)
+    doc, n, where = retry_document(settings, db, doc_a)
+    assert (n, where, doc.error) == (1, a, "pages 1-1: cannot render: boom") and a.exists()
+    with pytest.raises(ValueError, match=f"document {doc_a} \\(a.pdf\\) is queued, not failed"):
+        retry_document(settings, db, doc_a)
+    doc, n, where = retry_document(settings, db, doc_b)
+    assert (n, where) == (1, outside) and outside.exists()
+    assert not any(settings.failed.iterdir())
+    with db.session() as s:
+        docs = [s.get(Document, d) for d in (doc_a, doc_b)]
+        chunks = s.scalars(select(Chunk).order_by(Chunk.id)).all()
+    assert [(d.status, d.failed_path, d.original_path) for d in docs] == [
+        (DocStatus.QUEUED, None, str(a)), (DocStatus.QUEUED, None, str(outside))]
+    assert [(c.status, c.attempts, c.last_error) for c in chunks] == [(ChunkStatus.QUEUED, 0, None)] * 2
+
+
+def test_retry_puts_the_original_back_beside_another_file_that_took_its_name(settings, db):
+    """While a.pdf waited in failed/, another a.pdf was dropped into the inbox (a document of its own): the retried
+    original goes back as "a (2).pdf", and that is its original from now on; the other file is left alone."""
+    from ingest.intake.failed import retry_document
+
+    doc_id = _failed_and_filed(settings, db, make_pdf(settings.inbox / "a.pdf", 1))
+    other = make_pdf(settings.inbox / "a.pdf", ["another scan under the same name"])
+    _, n, where = retry_document(settings, db, doc_id)
+    assert (n, where) == (1, settings.inbox / "a (2).pdf") and where.exists() and other.exists()
+    with db.session() as s:
+        doc = s.get(Document, doc_id)
+    assert (doc.status, doc.original_path, doc.original_name) == (DocStatus.QUEUED, str(where), "a (2).pdf")
+    assert intake_file(db, settings, where).outcome == "known" and intake_file(db, settings, other).outcome == "document"
+
+
+def test_uflash_retry_says_what_it_did_and_refuses_unknown_ids(settings, db, config_path):
+    from tests.conftest import uflash
+
+    r = uflash("--config", str(config_path), "retry", "--all")
+    assert r.returncode == 0 and "nothing to retry: no document is failed" in r.stdout, r.stdout + r.stderr
+    doc_id = _failed_and_filed(settings, db, make_pdf(settings.inbox / "a.pdf", 1))
+    r = uflash("--config", str(config_path), "retry", "--doc", str(doc_id), "--doc", "77")
+    assert r.returncode == 2 and "no document 77 in the ledger: nothing retried" in r.stderr, r.stdout + r.stderr
+    assert (settings.failed / "a.pdf").exists()
+    r = uflash("--config", str(config_path), "retry", "--all")
+    assert r.returncode == 0 and f"queued  #{doc_id} a.pdf: 1 chunk(s) again, its original at " \
+        f"{settings.inbox / 'a.pdf'}" in r.stdout, r.stdout + r.stderr
+    assert (settings.inbox / "a.pdf").exists() and not any(settings.failed.iterdir())
+    r = uflash("--config", str(config_path), "retry", "--doc", str(doc_id))
+    assert r.returncode == 2 and f"document {doc_id} (a.pdf) is queued, not failed" in r.stderr, r.stderr
+
+
 def test_renamed_waiting_file_stays_its_document(settings, db):
     a = make_pdf(settings.inbox / "a.pdf", ["renamed while it waits"])
     doc_id = intake_file(db, settings, a).document_id

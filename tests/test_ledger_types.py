@@ -115,7 +115,7 @@ def test_a_version_2_ledger_is_migrated_to_64_bit_sizes_and_mtimes(settings, db)
     again = Database(url)
     try:
         with again.session() as s:
-            assert s.scalar(select(func.max(SchemaVersion.version))) == SCHEMA_VERSION == 3
+            assert s.scalar(select(func.max(SchemaVersion.version))) == SCHEMA_VERSION == 4
             kept = s.get(Document, old.document_id)
         assert (kept.original_name, kept.mtime_ns, kept.size_bytes) == ("old.pdf", 1_700_000_000, 1000)
         res = intake_file(again, settings, pdf)

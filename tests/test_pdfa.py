@@ -15,7 +15,7 @@ import pytest
 from PIL import Image, ImageDraw
 
 from ingest.reading.words import plain_words
-from tests.conftest import ROOT, make_pdf
+from tests.conftest import ROOT, assert_pdfa_2b, make_pdf
 
 MODEL_TEXT = "<|det|>title [100, 60, 900, 120]<|/det|>Stadtrat Protokoll 1923\n" \
              "<|det|>text [100, 150, 900, 300]<|/det|>Die Sitzung begann um neun Uhr.\nAnwesend waren zwölf Räte."
@@ -72,43 +72,6 @@ def write(tmp_path: Path, source: Path, texts: list[str]) -> tuple[str, Path, li
     finally:
         logger.remove(sink)
     return kind, tmp_path / "document.pdf", said
-
-
-def assert_pdfa_2b(path: Path) -> None:
-    """pikepdf's PDF/A validator approves the file, OCRmyPDF finds its PDF/A-2b claim, every font is embedded."""
-    from ocrmypdf.pdfa import file_claims_pdfa
-    from pikepdf.pdfa import validate_written
-
-    report = validate_written(path, "2b")
-    assert report.passed, report.summary()
-    assert file_claims_pdfa(path) == {"pass": True, "output": "pdfa", "conformance": "PDF/A-2b"}
-    with pikepdf.open(path) as pdf:
-        assert pdf.open_metadata().pdfa_status == "2B"
-        fonts = list(_fonts(pdf))
-        for f in fonts:
-            desc = f.get("/FontDescriptor")
-            assert desc is not None and any(k in desc for k in ("/FontFile", "/FontFile2", "/FontFile3")), f
-        assert fonts
-
-
-def _fonts(pdf: pikepdf.Pdf):
-    """Every simple and CID font the pages draw with, in their forms (OCRmyPDF's text layer is one) too."""
-    seen: set = set()
-
-    def walk(resources):
-        if not isinstance(resources, pikepdf.Dictionary) or resources.objgen in seen and resources.objgen != (0, 0):
-            return
-        seen.add(resources.objgen)
-        for _, font in (resources.get("/Font") or {}).items():
-            for f in [font, *(font.get("/DescendantFonts") or [])]:
-                if f.get("/Subtype") != "/Type0":  # a composite font's glyphs are in its descendant
-                    yield f
-        for _, xobj in (resources.get("/XObject") or {}).items():
-            if xobj.get("/Subtype") == "/Form":
-                yield from walk(xobj.get("/Resources"))
-
-    for page in pdf.pages:
-        yield from walk(page.Resources)
 
 
 def test_a_scan_is_pdfa_2b(tmp_path, ghostscript):

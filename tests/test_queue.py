@@ -10,7 +10,7 @@ from sqlalchemy import func, select
 
 from db.chunks import complete_chunk
 from db.models import Chunk, ChunkStatus, Document
-from db.queue import claim, end_leases_of_gone_owners, fail, heartbeat, release
+from db.queue import claim, end_leases_of_gone_owners, fail, heartbeat, release, room_left, take_over_dead
 from db.session import Database
 from ingest.ledger.owners import is_gone, this_process
 from tests.conftest import ROOT
@@ -127,14 +127,17 @@ def test_retry_with_backoff_then_failed_with_reason(any_db):
     assert d.status == "failed" and "CUDA out of memory again" in d.error
 
 
-def test_expired_lease_on_last_attempt_ends_failed(db):
-    add_document(db, 1)
+def test_expired_lease_of_a_chunk_alone_on_its_last_attempt_ends_failed_naming_its_pages(db):
+    doc = add_document(db, 1)
     c = claim(db, "ghost", lease_seconds=1, max_attempts=1)
     assert (c.first_page, c.attempts) == (1, 1)
     assert claim(db, "other", 1, 1, now=time.time() + 5) is None
     with db.session() as s:
         chunk = s.scalars(select(Chunk)).one()
-    assert chunk.status == ChunkStatus.FAILED and "lease expired" in chunk.last_error
+        d = s.get(Document, doc)
+    assert chunk.status == ChunkStatus.FAILED and (chunk.attempts, chunk.solo_crashes) == (1, 1)
+    assert chunk.last_error == "killed the worker on every attempt (decoded alone 1 time; last worker ghost)"
+    assert d.status == "failed" and d.error.startswith("pages 1-1: killed the worker on every attempt")
 
 
 def test_lost_lease_cannot_complete_or_renew(db):
@@ -164,11 +167,11 @@ def test_claim_limited_to_some_documents_leaves_the_others_queued(any_db):
     named = add_document(db, 2, "named.pdf")
     a = claim(db, "run", 60, 3, document_ids={named})
     assert a is not None and a.document_id == named and a.first_page == 1
-    b = claim(db, "run", 1, 3, document_ids=[named])
+    b = claim(db, "run-b", 1, 3, document_ids=[named])
     assert b is not None and b.document_id == named and b.first_page == 2
     assert claim(db, "run", 60, 3, document_ids={named}) is None  # both held: nothing else for this run
     assert claim(db, "run", 60, 3, document_ids=set()) is None
-    taken_over = claim(db, "run-2", 60, 3, now=time.time() + 5, document_ids={named})  # b's lease expired
+    taken_over = claim(db, "run-2", 60, 3, now=time.time() + 5, document_ids={named})  # b's lease expired (alone)
     assert taken_over is not None and taken_over.chunk_id == b.chunk_id and taken_over.attempts == 2
     with db.session() as s:
         rest = s.scalars(select(Chunk).where(Chunk.document_id == backlog)).all()
@@ -256,7 +259,7 @@ def test_a_version_1_ledger_is_migrated_to_run_owners_and_ends(any_db):
     again = Database(url)
     try:
         with again.session() as s:
-            assert s.scalar(select(func.max(SchemaVersion.version))) == SCHEMA_VERSION == 3
+            assert s.scalar(select(func.max(SchemaVersion.version))) == SCHEMA_VERSION == 4
             runs = s.scalars(select(Run).order_by(Run.id)).all()
         assert [(r.owner, r.end_reason) for r in runs] == [("host:1", "closed"), ("host:2", None)]
     finally:
@@ -325,3 +328,154 @@ def test_a_rerun_on_another_host_is_closed_once_its_own_chunk_waited_a_lease(any
         chunks = s.scalars(select(Chunk).order_by(Chunk.id)).all()
     assert (runs[1].end_reason, runs[2].end_reason) == ("crashed", None)
     assert [c.status for c in chunks] == [ChunkStatus.CANCELLED, ChunkStatus.RUNNING]
+
+
+# -- the crash rule: a worker that died with chunks in flight (db.queue) ---------------------------------------------
+
+def _chunks(db) -> list[Chunk]:
+    with db.session() as s:
+        return s.scalars(select(Chunk).order_by(Chunk.first_page)).all()
+
+
+def _die(db, owner: str) -> None:
+    """``owner``'s process dies: its leases end (as end_leases_of_gone_owners or their expiry end them)."""
+    with db.engine.begin() as conn:
+        conn.execute(Chunk.__table__.update().where(Chunk.lease_owner == owner)
+                     .values(lease_expires_at=time.time() - 1))
+
+
+def _claim_all(db, owner: str, max_attempts: int = 3) -> list:
+    taken = []
+    while (c := claim(db, owner, 300, max_attempts)) is not None:
+        taken.append(c)
+    return taken
+
+
+def test_a_worker_that_died_with_several_chunks_gives_them_back_uncharged_in_halved_groups(any_db):
+    """A worker dies holding 5 chunks: none is charged (the claim's attempt is given back), each may decode beside at
+    most one other (5 // 2); the next worker takes two of them, and dies: each of those goes alone from then on."""
+    db = any_db
+    add_document(db, 7)
+    first = [claim(db, "w1", 300, 3) for _ in range(5)]
+    assert [c.batch_limit for c in first] == [None] * 5
+    _die(db, "w1")
+    told = []
+    second = [claim(db, "w2", 300, 3, on_takeover=told.append)] + _claim_all(db, "w2")
+    (t,) = told
+    assert (t.owner, len(t.chunks), t.charged, t.batch_limit) == ("w1", 5, False, 2)
+    assert [(c.first_page, c.attempts, c.batch_limit) for c in second] == [(1, 1, 2), (2, 1, 2)]  # uncharged
+    chunks = _chunks(db)
+    assert [(c.status, c.attempts, c.batch_limit) for c in chunks[2:5]] == [(ChunkStatus.QUEUED, 0, 2)] * 3
+    assert [(c.status, c.batch_limit) for c in chunks[5:]] == [(ChunkStatus.QUEUED, None)] * 2
+    assert "died with 5 chunks in flight: not counted as an attempt" in chunks[2].last_error
+    _die(db, "w2")
+    third = _claim_all(db, "w4", max_attempts=3)
+    assert [(c.first_page, c.attempts, c.batch_limit) for c in third] == [(1, 1, 1)]  # alone: limit 1
+    chunks = _chunks(db)
+    assert [(c.attempts, c.batch_limit, c.solo_crashes) for c in chunks[:2]] == [(1, 1, 0), (0, 1, 0)]
+    _die(db, "w4")  # it died with chunk 1 alone: charged
+    told = []
+    assert claim(db, "w5", 300, 3, on_takeover=told.append).first_page == 1
+    (t,) = told
+    assert (t.owner, [p[2] for p in t.chunks], t.charged, t.failed, t.batch_limit) == ("w4", [1], True, False, 1)
+    chunk1 = _chunks(db)[0]
+    assert (chunk1.attempts, chunk1.solo_crashes, chunk1.status) == (2, 1, ChunkStatus.RUNNING)
+
+
+def test_a_claim_never_makes_a_worker_hold_more_than_the_smallest_limit_in_hand(any_db):
+    """A worker holding an unlimited chunk does not take a chunk of limit 1 that is next in line (nor pass it over):
+    it takes it once it holds nothing, and then nothing beside it. A chunk of limit 2 is taken with one other."""
+    db = any_db
+    add_document(db, 5)
+    with db.engine.begin() as conn:
+        for page, limit in ((2, 1), (4, 2)):
+            conn.execute(Chunk.__table__.update().where(Chunk.first_page == page).values(batch_limit=limit))
+    a = claim(db, "w", 300, 3)
+    assert (a.first_page, a.batch_limit) == (1, None)
+    assert claim(db, "w", 300, 3) is None  # page 2 (limit 1) is next: not beside page 1, and not passed over
+    assert claim(db, "other", 300, 3).first_page == 2  # a worker holding nothing takes it
+    assert claim(db, "other", 300, 3) is None  # ... and nothing beside it
+    assert complete_chunk(db, a)
+    b = claim(db, "w", 300, 3)
+    c = claim(db, "w", 300, 3)
+    assert (b.first_page, c.first_page, c.batch_limit) == (3, 4, 2)
+    assert claim(db, "w", 300, 3) is None  # it holds 2: page 4's limit
+    assert room_left([b, c]) == 0 and room_left([b]) is None and room_left([c]) == 1
+
+
+def test_a_chunk_that_kills_its_worker_alone_is_charged_and_fails_naming_its_pages(any_db):
+    """Pages 4-6 kill every worker that decodes them alone: charged each time, failed after max_attempts with a reason
+    that names them; the document's other chunk is done, and the takeover said what it did."""
+    db = any_db
+    with db.session() as s, s.begin():
+        d = Document(sha256="p" * 64, original_path="/in/poison.pdf", original_name="poison.pdf", size_bytes=1,
+                     mtime_ns=0, kind="pdf", page_count=6)
+        s.add(d)
+        s.flush()
+        s.add_all([Chunk(document_id=d.id, first_page=1, last_page=3),
+                   Chunk(document_id=d.id, first_page=4, last_page=6, batch_limit=1)])
+        doc = d.id
+    assert complete_chunk(db, claim(db, "w0", 300, 3))
+    told = []
+    for attempt in (1, 2, 3):
+        c = claim(db, f"w{attempt}", 300, 3, on_takeover=told.append)
+        assert (c.first_page, c.attempts) == (4, attempt)
+        _die(db, f"w{attempt}")
+    assert claim(db, "w4", 300, 3, on_takeover=told.append) is None
+    assert [(t.charged, t.failed) for t in told] == [(True, False), (True, False), (True, True)]
+    with db.session() as s:
+        chunk = s.scalar(select(Chunk).where(Chunk.first_page == 4))
+        d = s.get(Document, doc)
+    assert (chunk.status, chunk.attempts, chunk.solo_crashes) == (ChunkStatus.FAILED, 3, 3)
+    assert d.status == "failed" and d.error == ("pages 4-6: killed the worker on every attempt (decoded alone 3 times;"
+                                                " last worker w3)")
+
+
+def test_crashes_in_company_cost_no_attempt_and_errors_a_chunk_raises_keep_max_attempts(any_db):
+    """Two crashes of the worker with page 1 in company (4 chunks in hand, then 2) charge it nothing, although
+    max_attempts is 2; then its own errors fail it after 2 of them, as before."""
+    db = any_db
+    add_document(db, 4)
+    assert len(_claim_all(db, "w0", max_attempts=2)) == 4
+    _die(db, "w0")
+    assert [c.first_page for c in _claim_all(db, "w1", max_attempts=2)] == [1, 2]
+    _die(db, "w1")
+    assert take_over_dead(db, None, max_attempts=2)[0].charged is False
+    assert [(c.attempts, c.batch_limit, c.status) for c in _chunks(db)[:2]] == [(0, 1, ChunkStatus.QUEUED)] * 2
+    c = claim(db, "z", 300, 2)
+    assert (c.first_page, c.attempts) == (1, 1)
+    assert fail(db, c, "ValueError: boom", max_attempts=2, backoff_seconds=0) == ChunkStatus.QUEUED
+    c = claim(db, "z", 300, 2)
+    assert (c.first_page, c.attempts) == (1, 2)
+    assert fail(db, c, "ValueError: boom again", max_attempts=2, backoff_seconds=0) == ChunkStatus.FAILED
+    assert _chunks(db)[0].last_error == "ValueError: boom again"
+
+
+def test_a_version_3_ledger_is_migrated_to_batch_limits_and_failed_paths(any_db):
+    """Version 4 added chunks.batch_limit and solo_crashes, and documents.failed_path: a version 3 ledger gets them on
+    open; its chunks have no limit, and a document failed before keeps its original where it is."""
+    from sqlalchemy import text
+
+    from db.models import SchemaVersion
+    from db.session import SCHEMA_VERSION
+
+    db = any_db
+    doc = add_document(db, 2)
+    with db.engine.begin() as conn:
+        conn.execute(text("UPDATE documents SET status = 'failed', error = 'boom'"))
+        for table, column in (("chunks", "batch_limit"), ("chunks", "solo_crashes"), ("documents", "failed_path")):
+            conn.execute(text(f"ALTER TABLE {table} DROP COLUMN {column}"))
+        conn.execute(SchemaVersion.__table__.delete())
+        conn.execute(SchemaVersion.__table__.insert().values(version=3))
+    url = db.url
+    db.dispose()
+    again = Database(url)
+    try:
+        with again.session() as s:
+            assert s.scalar(select(func.max(SchemaVersion.version))) == SCHEMA_VERSION == 4
+            assert [(c.batch_limit, c.solo_crashes) for c in s.scalars(select(Chunk))] == [(None, 0)] * 2
+            assert s.get(Document, doc).failed_path == "/in/doc.pdf"
+        s2 = add_document(again, 1, "new.pdf")
+        assert claim(again, "w", 60, 3).document_id in (doc, s2)
+    finally:
+        again.dispose()

@@ -28,6 +28,7 @@ from engine.model.vision import embed_chunks
 PREFILL_TOKENS = 16384  # prefix tokens prefilled in one forward at most (chunks of one prefix length together)
 ADMIT_PAGES = 64  # pages a group brings to the device at most (pixels, vision features)
 ADMIT_TOKENS = 8192  # prefix tokens one turn admits at most before the next decode step (at least one chunk)
+VISION_GROUP = 8  # pages through the vision tower in one call (`engine.model.vision.embed_chunks`)
 
 
 def prefill_groups(lengths: list[int], budget: int) -> list[list[int]]:

@@ -33,7 +33,7 @@ import torch
 from loguru import logger
 
 from engine.batch.acceptance import accept
-from engine.batch.admission import ADMIT_PAGES, ADMIT_TOKENS, admit
+from engine.batch.admission import ADMIT_PAGES, ADMIT_TOKENS, VISION_GROUP, admit
 from engine.batch.requests import ChunkRequest, ChunkResult
 from engine.batch.rows import DRAFTERS, MODES, Row, make_drafters
 from engine.batch.step_width import StepWidth
@@ -62,7 +62,7 @@ class BatchEngine:
                  drafters: tuple[str, ...] = DRAFTERS, fast_threshold: float = 0.3, block_net=None,
                  block_beside_copies: bool = False, block_sits_out: bool = True, block_full_k: bool = False,
                  graphs: str | bool = "auto", kernels: str = "torch", moe: str = "auto", attn: str = "auto",
-                 linear: str = "auto", prefix_capacity: int = 0, vision_group: int = 8, drafter_factory=None,
+                 linear: str = "auto", prefix_capacity: int = 0, vision_group: int = VISION_GROUP, drafter_factory=None,
                  adaptive_width: bool = True, admit_pages: int = ADMIT_PAGES, admit_tokens: int = ADMIT_TOKENS):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")

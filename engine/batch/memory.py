@@ -4,10 +4,11 @@ A row costs its key/value cache (every layer: the prefix region plus the output 
 of the step's logits buffer (``max_width`` rows of the vocabulary) and the step's activations (hidden states,
 MoE routing copies, fp32 logits for the summary). Admission runs in bounded groups (`engine.batch.admission`: at
 most ``ADMIT_PAGES`` pages and ``PREFILL_TOKENS`` prefix tokens a forward), so what it needs on top of the rows is
-bounded too: a reserve for one group's pixels, the vision tower over a group of pages and one prefill's
-activations (`admission_bytes`). The rows that fit in the free GPU memory after that reserve, with ``USABLE`` of
-it (allocator slack), capped at ``MAX_ROWS``. On the CPU: ``CPU_ROWS`` (batching amortises the weights' reads
-there too, and more rows only delay each chunk).
+bounded too: a reserve for one group's pixels, the vision tower over one call's pages (`vision_bytes`: SAM's
+global attention holds a score matrix per head and page) and one prefill's activations (`admission_bytes`).
+The rows that fit in the free GPU memory after that reserve, with ``USABLE`` of it (allocator slack), capped at
+``MAX_ROWS``. On the CPU: ``CPU_ROWS`` (batching amortises the weights' reads there too, and more rows only delay
+each chunk).
 
 Sized for the longest chunk (``prefix_len``: e.g. 16 pages), the batch fits whatever chunks come; should the
 estimate still be short, out of memory shrinks the admission group or the batch and loses nothing
@@ -21,11 +22,11 @@ import math
 import torch
 from loguru import logger
 
-from engine.batch.admission import ADMIT_PAGES, PREFILL_TOKENS
+from engine.batch.admission import ADMIT_PAGES, PREFILL_TOKENS, VISION_GROUP
 
 MAX_ROWS = 256
 CPU_ROWS = 4
-VISION_BYTES = 2 * 2**30  # the vision tower over one group of pages (SAM at 1024 pixels, CLIP), allocator slack
+VISION_BASE = 2 * 2**30  # the vision tower's other working memory (windowed SAM layers, CLIP), allocator slack
 USABLE = 0.85  # of the free memory once the reserve is taken
 
 
@@ -41,7 +42,19 @@ def row_bytes(loaded, prefix_len: int, k_max: int) -> int:
     return cache + logits + activations
 
 
-def admission_bytes(loaded, image_size: int = 1024) -> int:
+def vision_bytes(loaded, vision_group: int = VISION_GROUP) -> int:
+    """The vision tower over ``vision_group`` pages at its peak: each of SAM's global-attention layers holds a score
+    matrix of (patches per page)^2 per head and page, and its softmax a second one (at 1024 pixels, 16-pixel patches,
+    12 heads, bf16: 384 MiB each a page, so 3 GiB each for 8 pages), beside ``VISION_BASE``."""
+    sam = getattr(getattr(loaded.model.config, "vision_config", None), "sam_config", None)
+    if sam is None:
+        return VISION_BASE
+    item = torch.tensor([], dtype=loaded.dtype).element_size()
+    patches = (sam.image_size // sam.patch_size) ** 2
+    return VISION_BASE + 2 * vision_group * sam.num_attention_heads * patches * patches * item
+
+
+def admission_bytes(loaded, image_size: int = 1024, vision_group: int = VISION_GROUP) -> int:
     """What one admission group holds on the device at its peak: its pixels (fp32 as the processor made them, then
     in the model's dtype), the vision tower's working memory, one prefill of ``PREFILL_TOKENS`` tokens (hidden
     states, attention projections, the MoE's routed copies, each a few times over) and the group's embeddings."""
@@ -50,7 +63,7 @@ def admission_bytes(loaded, image_size: int = 1024) -> int:
     pixels = ADMIT_PAGES * 3 * image_size * image_size * (4 + item)
     per_token = (16 * c.hidden_size + 4 * c.num_experts_per_tok * c.moe_intermediate_size
                  + 3 * c.intermediate_size) * max(item, 4)
-    return pixels + VISION_BYTES + PREFILL_TOKENS * per_token
+    return pixels + vision_bytes(loaded, vision_group) + PREFILL_TOKENS * per_token
 
 
 def auto_batch(loaded, prefix_len: int, k_max: int) -> int:

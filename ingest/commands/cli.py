@@ -208,6 +208,32 @@ def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def cmd_retry(settings: Settings, args: argparse.Namespace) -> int:
+    from db.documents import failed_documents
+    from ingest.intake.failed import retry_document
+
+    settings.ensure_folders()
+    db = open_existing_ledger(settings)
+    ids = failed_documents(db) if args.all else args.doc
+    if args.all and not ids:
+        print("nothing to retry: no document is failed")
+        return ExitCode.OK
+    for doc_id in ids:  # all of them checked before any is touched
+        try:
+            retry_document(settings, db, doc_id, check_only=True)
+        except (LookupError, ValueError) as e:
+            raise UsageError(f"{e.args[0]}: nothing retried (`uflash status` lists the failed documents)") from None
+    for doc_id in ids:
+        doc, n, original = retry_document(settings, db, doc_id)
+        if n is None:
+            print(f"queued  #{doc_id} {doc.original_name}: queued again meanwhile (dropped into the inbox again?)")
+            continue
+        print(f"queued  #{doc_id} {doc.original_name}: {n} chunk(s) again, its original at {original} (it had "
+              f"failed with: {(doc.error or '-')[:300]})")
+    print("`uflash watch` decodes them (a running one takes them now), or `uflash run`")
+    return ExitCode.OK
+
+
 def cmd_check(settings: Settings, args: argparse.Namespace) -> int:
     from ingest.commands.check import format_checks, run_checks
 
@@ -249,7 +275,8 @@ def parse_budget(text: str | None) -> tuple[int, float]:
 
 
 COMMANDS = {"watch": cmd_watch, "run": cmd_run, "status": cmd_status, "report": cmd_report, "rerun": cmd_rerun,
-            "diff": cmd_diff, "windows-task": cmd_windows_task, "check": cmd_check, "calibrate": cmd_calibrate}
+            "diff": cmd_diff, "windows-task": cmd_windows_task, "check": cmd_check, "calibrate": cmd_calibrate,
+            "retry": cmd_retry}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", metavar="FILE", default="uflash-task.xml", help="where to write it")
     t.add_argument("--user", help="run as this account (default: SYSTEM; a named one needs its password at import)")
 
+    rt = sub.add_parser("retry", help="queue failed documents again: their originals back out of the failed folder, "
+                                      "their failed chunks with their attempts reset")
+    which = rt.add_mutually_exclusive_group(required=True)
+    which.add_argument("--doc", type=int, metavar="ID", action="append",
+                       help="this failed document (`uflash status` lists them with their ids); may be repeated")
+    which.add_argument("--all", action="store_true", help="every failed document")
+
     s = sub.add_parser("status", help="documents and chunks by state, failures and their reasons")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--limit", type=int, default=20, help="how many failures to list")

@@ -28,7 +28,7 @@ def collect_status(db: Database, limit: int = 20) -> dict[str, Any]:
         "pages": c["pages"],
         "duplicates": c["duplicates"],
         "rejected": c["rejected"],
-        "failed_documents": [{"id": i, "name": n, "error": e} for i, n, e in c["failed_documents"]],
+        "failed_documents": [{"id": i, "name": n, "error": e, "original": f} for i, n, e, f in c["failed_documents"]],
         "rejected_files": [{"name": n, "reason": r, "moved_to": m} for n, r, m in c["rejected_files"]],
         "leases": [{"owner": o, "chunks": n, "until": u, "owner_gone": is_gone(o)} for o, n, u in c["leases"]],
         "open_runs": open_runs,
@@ -94,8 +94,11 @@ def format_status(st: dict[str, Any]) -> str:
             " (expired: its worker stopped; the next worker takes it over)" if (lease["until"] or 0) < now else ""
         lines.append(f"running:   {lease['chunks']} chunk(s) leased by {lease['owner']} until {until}{dead}")
     if st["failed_documents"]:
-        lines.append("failed documents:")
-        lines += [f"  #{d['id']} {d['name']}: {d['error']}" for d in st["failed_documents"]]
+        lines.append("failed documents (`uflash retry --doc ID` queues one again):")
+        for d in st["failed_documents"]:
+            lines.append(f"  #{d['id']} {d['name']}: {d['error']}")
+            if d.get("original") is not None:
+                lines.append(f"      its original: {d['original'] or 'not found where it was taken in'}")
     if st["retrying_chunks"]:
         lines.append("chunks waiting, with their last error:")
         lines += [f"  chunk {c['id']} (doc {c['document_id']}, pages {c['pages']}, attempt {c['attempts']}): "

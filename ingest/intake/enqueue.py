@@ -39,6 +39,7 @@ from ingest.intake.chunk_plan import (
     model_tokens_per_page,
     plan_document_chunks,
 )
+from ingest.intake.failed import unfile
 from ingest.intake.probe import probe_file
 
 
@@ -119,11 +120,13 @@ def _existing(db: Database, settings: Settings, path: Path, st, doc: Document) -
 
 def _retry(db: Database, settings: Settings, path: Path, st, doc: Document) -> IntakeResult:  # noqa: ANN001
     """A failed document's content dropped again: this file becomes its original (archived at the end like
-    any other) and its failed chunks go back to the queue; its done pages are kept. The update holds only
-    while the document is still failed, so two intakes of the same drop re-queue it once."""
+    any other) and its failed chunks go back to the queue; its done pages are kept, and failed/ no longer holds it
+    (ingest.intake.failed). The update holds only while the document is still failed, so two intakes of the same
+    drop re-queue it once."""
     n = retry_failed(db, doc.id, _original(path, st))
     if n is None:  # another intake re-queued it a moment ago
         return _duplicate(db, settings, path, st, document_by_sha(db, doc.sha256))
+    unfile(settings, doc, path)
     logger.info("re-queued failed document {} from {} ({} chunks; it had failed with: {})", doc.id, path.name, n,
                 (doc.error or "-")[:300])
     return IntakeResult(Intake.REQUEUED, document_id=doc.id)

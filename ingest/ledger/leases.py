@@ -16,8 +16,8 @@ from ingest.config import WorkerSettings
 
 
 class LeaseKeeper:
-    """``with keeper:`` runs the heartbeat thread; ``hold(c)`` / ``drop(c)`` say
-    which leases it renews; ``lost(c)`` tells whether ``c``'s lease was found taken over."""
+    """``with keeper:`` runs the heartbeat thread; ``hold(c)`` / ``drop(c)`` say which leases it renews (``held()``);
+    ``lost(c)`` tells whether ``c``'s lease was found taken over."""
 
     def __init__(self, db: Database, worker: WorkerSettings):
         self.db, self.lease, self.every = db, worker.lease_seconds, worker.heartbeat_seconds
@@ -35,6 +35,11 @@ class LeaseKeeper:
     def drop(self, c: Claim) -> None:
         with self._lock:
             self._held.pop(c.chunk_id, None)
+
+    def held(self) -> list[Claim]:
+        """The claims whose leases it renews now."""
+        with self._lock:
+            return list(self._held.values())
 
     def lost(self, c: Claim) -> bool:
         with self._lock:

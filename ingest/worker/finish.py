@@ -3,8 +3,9 @@
 The outputs show the **latest** version of each page (db.pages.latest_pages), so a re-run's pages replace the earlier
 ones there while the ledger keeps both. Each page is graded against its neighbours with the ``[quality]`` thresholds
 (grade and reasons are written into its stats). A document that cannot be finished (a page missing, its outputs
-refused by the file system, its original not archivable) is failed with that reason, and the others go on; a full or
-failing disk is not the document's fault (ingest.errors): it waits and is finished once there is room.
+refused by the file system, its original not archivable) is failed with that reason (its original put in failed/),
+and the others go on; a full or failing disk is not the document's fault (ingest.errors): it waits and is finished
+once there is room.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from db.session import Database
 from ingest.config import Settings
 from ingest.errors import infrastructure_problem
 from ingest.files import file_away
+from ingest.intake.failed import file_failed
 from ingest.outputs.write import holds_another_document, output_folder, write_document_outputs
 from ingest.quality.calibration import grading_thresholds
 from ingest.quality.grades import grade_document, plain_text
@@ -109,9 +111,11 @@ class Finisher:
 
     def _not_finished(self, doc: Document, reason: str, output_dir: Path | None = None) -> None:
         """Fail a document whose chunks are all done with ``reason``. Nothing is lost: its pages stay in the ledger and
-        its original stays where it is; being failed, it is not finished again (and failing again) at every start."""
+        its original goes to failed/ beside its reason (ingest.intake.failed), where `uflash retry` takes it back;
+        being failed, it is not finished again (and failing again) at every start."""
         fail_document(self.db, doc.id, reason, output_dir)
         logger.error("{}: {}", doc.original_name, reason)
+        file_failed(self.settings, self.db, [doc.id])
 
     def _grade(self, pages: list[Page]) -> None:
         """Grade the document's latest pages against each other (ingest.quality.grades) with the thresholds of the

@@ -68,9 +68,10 @@ class RunHandle:
 
 def take_over_from_the_gone(settings: Settings, db: Database, finisher: Finisher | FinishQueue) -> None:
     """Leases and runs of uflash processes on this host that are gone (killed, crashed, the machine rebooted): their
-    chunks are taken over now rather than when the lease runs out, and their runs are closed as crashed (a re-run's
-    chunks still reserved for it are cancelled, and the documents it re-decoded pages of are rewritten). A re-run on
-    another host is known gone once its own chunk has waited on an ended lease for longer than a lease (db.runs)."""
+    chunks are taken over now rather than when the lease runs out (by the next claim, under db.queue's crash rule: not
+    charged when they died in company), and their runs are closed as crashed (a re-run's chunks still reserved for it
+    are cancelled, and the documents it re-decoded pages of are rewritten). A re-run on another host is known gone
+    once its own chunk has waited on an ended lease for longer than a lease (db.runs)."""
     stale_before = time.time() - settings.worker.lease_seconds
     for run_id, docs in close_runs_of_gone_owners(db, is_gone, stale_before).items():
         logger.warning("run {} was left open by a uflash process that is gone: closed as crashed{}", run_id,

@@ -18,6 +18,12 @@ finishes only those documents; a re-run's worker (``fresh_run``) claims only the
 the earlier output of the same pages as its draft. ``close()`` (or leaving ``with worker:``) stops the
 page-preparation processes.
 
+A worker holds no more chunks than the smallest batch limit among them (db.queue: the chunks of a worker that died
+with several in flight are decoded again in smaller groups, and one that died alone is charged an attempt); a claim
+returns its chunk's limit, and the worker claims only while there is room under it (db.queue.room_left). It says
+loudly whose chunks it took over and what became of them, and puts the originals of documents that failed into
+failed/ (ingest.intake.failed).
+
 An error of the ledger or of the machine (ingest.errors.infrastructure_problem: the database gone or locked, a disk
 full) fails no chunk and no document: the worker keeps a decoded result and stores it once the ledger takes it, gives
 back a chunk it could not go on with (its attempt not counted), and waits with a growing backoff (ingest.ledger.health),
@@ -35,13 +41,14 @@ from typing import Any
 from loguru import logger
 
 from db.chunks import LeaseLost, store_chunk
-from db.queue import Claim, claim, release
+from db.queue import Claim, TakenOver, claim, release, room_left
 from db.session import Database
 from engine.chunk_decode import ChunkDecoder
 from engine.chunk_output import ChunkOutput
 from engine.model.load import ModelLoadError, ModelNotFound
 from ingest.config import Settings
 from ingest.errors import ModelUnavailable, infrastructure_problem
+from ingest.intake.failed import file_failed
 from ingest.ledger.health import Trouble
 from ingest.ledger.leases import LeaseKeeper, say_whose_leases
 from ingest.ledger.owners import this_process
@@ -49,6 +56,7 @@ from ingest.pages.inputs import turned_inputs
 from ingest.pages.pool import preparation_pool
 from ingest.pages.prefetch import NotPrepared, Prefetcher, Prepared
 from ingest.pages.prepare import PreparedChunk, Unreadable
+from ingest.worker import crash_hook
 from ingest.worker.finish import Finisher
 from ingest.worker.finish_queue import FinishQueue
 from ingest.worker.inflight import batched, poll_all
@@ -201,6 +209,7 @@ class Worker:
                 self.finishing.wait(self.settings.worker.poll_seconds)
                 return
             self.finishing.finish_ready()
+            self._file_failed()
             stop.wait(self.settings.worker.poll_seconds)
 
     def _load_ahead(self) -> None:
@@ -217,24 +226,48 @@ class Worker:
 
     def _claim_ahead(self, prefetch: Prefetcher) -> int:
         """Claim a chunk for each row the decoder has free, and ``prefetch.ahead`` more (one a preparation process,
-        at most one a row), so that a row that frees is filled at once; hand each to the prefetch thread."""
+        at most one a row), so that a row that frees is filled at once, as far as the batch limits of the chunks in
+        hand allow (db.queue); hand each to the prefetch thread."""
         w, d = self.settings.worker, self._decoder
         rows, ahead = (d.free_rows, min(prefetch.ahead, d.rows)) if d is not None else (1, prefetch.ahead)
-        room, found = rows + ahead - prefetch.pending - len(self._ready), 0
+        room, found = self._room(rows + ahead - prefetch.pending - len(self._ready)), 0
         if room > 0 and self.inflight and time.monotonic() < self._next_look:
             return 0  # the queue was empty a moment ago: the engine steps on without asking the ledger every step
         if room > 0:
             take_over_from_the_gone(self.settings, self.db, self.finishing)
         while room > 0:
             c = claim(self.db, self.owner, w.lease_seconds, w.max_attempts, document_ids=self.document_ids,
-                      run_id=self.run_id() if self.fresh_run is not None else None)
+                      run_id=self.run_id() if self.fresh_run is not None else None, on_takeover=self._taken_over)
             if c is None:
                 self._next_look = time.monotonic() + w.poll_seconds
                 break
             self.leases.hold(c)
             prefetch.put(c)
-            room, found, self._waiting_on = room - 1, found + 1, frozenset()
+            room, found, self._waiting_on = self._room(room - 1), found + 1, frozenset()
         return found
+
+    def _room(self, room: int) -> int:
+        """``room``, or less when a chunk in hand limits how many this worker may hold (db.queue)."""
+        left = room_left(self.leases.held())
+        return room if left is None else min(room, left)
+
+    def _taken_over(self, t: TakenOver) -> None:
+        """Say what became of the chunks of a worker that died (db.queue's crash rule); file away what failed."""
+        what = ", ".join(f"document {d} pages {a}-{b}" for _, d, a, b in t.chunks)
+        if not t.charged:
+            logger.warning("took over {} chunk(s) of {}, which died with them in flight: {}; not counted as attempts, "
+                           "decoded again at most {} at a time", len(t.chunks), t.owner, what, t.batch_limit)
+        elif t.failed:
+            logger.error("{} failed: {}", what, t.reason)
+            self._file_failed([d for _, d, _, _ in t.chunks])
+        else:
+            logger.warning("took over {} of {}, which died while decoding it alone: {}", what, t.owner, t.reason)
+
+    def _file_failed(self, doc_ids: list[int] | None = None) -> None:
+        """The originals of this worker's documents that failed (of ``doc_ids``) go to failed/."""
+        if doc_ids is not None and self.document_ids is not None:
+            doc_ids = [d for d in doc_ids if d in self.document_ids]
+        file_failed(self.settings, self.db, self.document_ids if doc_ids is None else doc_ids)
 
     def _start(self, ready: Prepared, stop: threading.Event) -> None:
         """A chunk the prefetch thread made ready: submitted, or its pages that look turned probed first (or failed,
@@ -247,7 +280,8 @@ class Worker:
             return
         if isinstance(ready, Unreadable):
             self.leases.drop(c)
-            return unreadable(self.settings, self.db, ready)
+            unreadable(self.settings, self.db, ready)
+            return self._file_failed([c.document_id])
         try:
             decoder = self.decoder()
             self.run.open()
@@ -268,6 +302,7 @@ class Worker:
         """Submit the chunk (its pages turned as the probes chose): None, or its output when it cannot be decoded."""
         cap, limit = self.settings.engine.max_tokens_per_page, self.settings.engine.context_limit
         inputs = turned_inputs(chunk.inputs, chunk.probe_inputs, turned_positions(chunk))
+        crash_hook.before_decode(chunk.label, [p.text_layer for p in chunk.pages])  # test-only; unset: nothing
         return self.decoder().submit(chunk.claim.chunk_id, [p.image for p in chunk.pages], limit,
                                      cap * len(chunk.pages) if cap else None, reference_texts=chunk.references,
                                      replay_ids=chunk.replay, inputs=inputs)
@@ -309,6 +344,7 @@ class Worker:
             self._store(chunk, out, stats)
         self._unsettled.remove(c)
         self.leases.drop(c)
+        self._file_failed([c.document_id])  # failed now, or by an earlier chunk once this one is settled
 
     def _store(self, chunk: PreparedChunk, out: ChunkOutput, stats: list[dict[str, Any]]) -> None:
         """Store the decoded chunk; while the ledger is in trouble the result is kept, and stored once it works."""
