@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-pages", type=int, default=1)
     ap.add_argument("--max-batch", default="auto")
     ap.add_argument("--mode", default="lossless")
+    ap.add_argument("--prepare-processes", type=lambda v: v if v == "auto" else int(v), default="auto",
+                    help="[worker] prepare_processes (0: pages prepared in the worker's thread)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-tokens-per-page", type=int, default=1500)
