@@ -3,6 +3,7 @@ real PDFs and images made with pymupdf/PIL."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -250,3 +251,23 @@ def pdf_fonts(pdf: pikepdf.Pdf):
 
     for page in pdf.pages:
         yield from walk(page.Resources)
+
+
+@contextlib.contextmanager
+def reopened(db):
+    """The ledger ``db`` closed and opened again by a new ``Database`` (which migrates an older schema on open), its
+    schema checked to be this uflash's; the new one is disposed of on leaving."""
+    from sqlalchemy import func, select
+
+    from db.models import SchemaVersion
+    from db.session import SCHEMA_VERSION, Database
+
+    url = db.url
+    db.dispose()
+    again = Database(url)
+    try:
+        with again.session() as s:
+            assert s.scalar(select(func.max(SchemaVersion.version))) == SCHEMA_VERSION == 4
+        yield again
+    finally:
+        again.dispose()

@@ -6,14 +6,14 @@ import sys
 import time
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import select
 
 from db.chunks import complete_chunk
 from db.models import Chunk, ChunkStatus, Document
 from db.queue import claim, end_leases_of_gone_owners, fail, heartbeat, release, room_left, take_over_dead
 from db.session import Database
 from ingest.ledger.owners import is_gone, this_process
-from tests.conftest import ROOT
+from tests.conftest import ROOT, reopened
 
 
 @pytest.fixture
@@ -242,7 +242,6 @@ def test_a_version_1_ledger_is_migrated_to_run_owners_and_ends(any_db):
     from sqlalchemy import text
 
     from db.models import Run, SchemaVersion
-    from db.session import SCHEMA_VERSION
 
     db = any_db
     with db.engine.begin() as conn:
@@ -254,16 +253,9 @@ def test_a_version_1_ledger_is_migrated_to_run_owners_and_ends(any_db):
             conn.execute(text("INSERT INTO runs (id, mode, model, engine_version, settings, started_at, finished_at) "
                               "VALUES (:i, 'lossless', 'm', '1', :s, '2026-12-01 09:00:00+00:00', :f)"),
                          {"i": i, "s": f'{{"owner": "host:{i}"}}', "f": finished})
-    url = db.url
-    db.dispose()
-    again = Database(url)
-    try:
-        with again.session() as s:
-            assert s.scalar(select(func.max(SchemaVersion.version))) == SCHEMA_VERSION == 4
-            runs = s.scalars(select(Run).order_by(Run.id)).all()
-        assert [(r.owner, r.end_reason) for r in runs] == [("host:1", "closed"), ("host:2", None)]
-    finally:
-        again.dispose()
+    with reopened(db) as again, again.session() as s:
+        runs = s.scalars(select(Run).order_by(Run.id)).all()
+    assert [(r.owner, r.end_reason) for r in runs] == [("host:1", "closed"), ("host:2", None)]
 
 
 def test_status_shows_pages_decoded_pages_left_and_when_they_should_be_done(tmp_path):
@@ -457,7 +449,6 @@ def test_a_version_3_ledger_is_migrated_to_batch_limits_and_failed_paths(any_db)
     from sqlalchemy import text
 
     from db.models import SchemaVersion
-    from db.session import SCHEMA_VERSION
 
     db = any_db
     doc = add_document(db, 2)
@@ -467,15 +458,9 @@ def test_a_version_3_ledger_is_migrated_to_batch_limits_and_failed_paths(any_db)
             conn.execute(text(f"ALTER TABLE {table} DROP COLUMN {column}"))
         conn.execute(SchemaVersion.__table__.delete())
         conn.execute(SchemaVersion.__table__.insert().values(version=3))
-    url = db.url
-    db.dispose()
-    again = Database(url)
-    try:
+    with reopened(db) as again:
         with again.session() as s:
-            assert s.scalar(select(func.max(SchemaVersion.version))) == SCHEMA_VERSION == 4
             assert [(c.batch_limit, c.solo_crashes) for c in s.scalars(select(Chunk))] == [(None, 0)] * 2
             assert s.get(Document, doc).failed_path == "/in/doc.pdf"
         s2 = add_document(again, 1, "new.pdf")
         assert claim(again, "w", 60, 3).document_id in (doc, s2)
-    finally:
-        again.dispose()
