@@ -271,3 +271,15 @@ def reopened(db):
         yield again
     finally:
         again.dispose()
+
+
+@pytest.fixture
+def equal_step_costs(monkeypatch):
+    """Every engine step costs the width choice the same (10 ms): it measures real step times, which a busy CPU makes
+    noisy enough that it may judge drafting not worth it and never verify a draft; with equal costs it verifies them,
+    as it does where wide steps are nearly free (a GPU), and the shapes the steps take do not depend on the load."""
+    from engine.batch.step_width import StepWidth
+
+    observe = StepWidth.observe
+    monkeypatch.setattr(StepWidth, "observe", lambda self, rows, prefix, width, block, seconds, *a, **k: observe(
+        self, rows, prefix, width, block, None if seconds is None else 0.01, *a, **k))

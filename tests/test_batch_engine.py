@@ -83,7 +83,7 @@ def decode_all(loaded, expected: list[list[int]], mode: str = "plain", max_batch
 
 
 @pytest.mark.parametrize("window", [4, 8, 128])
-def test_batches_equal_official_for_every_chunk(models, official, window):
+def test_batches_equal_official_for_every_chunk(models, official, window, equal_step_costs):
     loaded = models[window]
     expected = [official(window, i) for i in range(len(CHUNKS))]
     assert all(len(ids) >= 3 * window for ids in expected if len(ids) == LENGTHS[window])

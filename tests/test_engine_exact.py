@@ -150,7 +150,7 @@ def test_eos_finish(models):
 
 # --- chunk decoder contract, memory -----------------------------------------------------------------------
 
-def test_decode_returns_chunk_output_with_stats(models, official):
+def test_decode_returns_chunk_output_with_stats(models, official, equal_step_costs):
     loaded, pages = models[8], _pages(3)
     expected = official(8, 3)
     reference = OfficialDecoder(loaded).decode(pages, context_limit=32768, max_new_tokens=len(expected))

@@ -34,7 +34,7 @@ class TickClock:
         return self.now
 
 
-def test_bench_engine_tiny_smoke(tmp_path, capsys, monkeypatch):
+def test_bench_engine_tiny_smoke(tmp_path, capsys, monkeypatch, equal_step_costs):
     """A timed generate() reads the clock twice (start, end), a timed engine run three times (start, first finished
     chunk, end): the test's ticks make generate take 2 s, plain 1 s and lossless 0.5 s, so every rate and ratio in
     the record has a value the test knows."""
@@ -51,13 +51,6 @@ def test_bench_engine_tiny_smoke(tmp_path, capsys, monkeypatch):
                 clock.tick = 1.0
         return wrapper
 
-    # the width choice measures real step times: on a busy CPU it may judge drafting not worth it and never verify a
-    # draft; every step costing the same makes it verify them, as it does where wide steps are nearly free (a GPU)
-    from engine.batch.step_width import StepWidth
-
-    observe = StepWidth.observe
-    monkeypatch.setattr(StepWidth, "observe", lambda self, rows, prefix, width, block, seconds, *a, **k: observe(
-        self, rows, prefix, width, block, None if seconds is None else 0.01, *a, **k))
     monkeypatch.setattr(bench_engine, "run_generate", timed(bench_engine.run_generate, lambda a, kw: "generate"))
     monkeypatch.setattr(bench_engine, "run_engine", timed(bench_engine.run_engine, lambda a, kw: a[4]))
     path = tmp_path / "bench.json"
@@ -80,7 +73,7 @@ def test_bench_engine_tiny_smoke(tmp_path, capsys, monkeypatch):
         assert runs["lossless-10%"]["equal_to_plain"] and runs["lossless-10%"]["tau"] >= 3  # drafts 90% right
 
 
-def test_bench_engine_planted_chain_keeps_bf16_drafts_aligned(capsys):
+def test_bench_engine_planted_chain_keeps_bf16_drafts_aligned(capsys, equal_step_costs):
     """``--plant``: a wide-margin successor chain, so in bf16 wide verify steps and single steps pick the same
     tokens: lossless with exact drafts equals plain and accepts long drafts."""
     rc = _keeping_threads(lambda: bench_engine.main(["--tiny", "--batch", "1", "--pages", "1", "--tokens", "200",
@@ -109,7 +102,7 @@ def test_gpu_check_cpu_smoke(tmp_path, tiny_model_dir, capsys):
     assert all(r["identical"] == r["of"] == 3 for r in runs.values())
 
 
-def test_bench_cpu_synth_smoke(tmp_path, capsys):
+def test_bench_cpu_synth_smoke(tmp_path, capsys, equal_step_costs):
     """The CPU benchmark on held-out demo-generator pages: summed over documents, every run exact."""
     from scripts.bench import cpu as bench_cpu
 

@@ -34,7 +34,7 @@ def test_a_shape_is_captured_at_its_second_use():
     assert bookkeeping(capture_after=1).ready((1, 1, 128))
 
 
-def test_steps_run_eagerly_until_captured_and_stay_exact(tmp_path, monkeypatch):
+def test_steps_run_eagerly_until_captured_and_stay_exact(tmp_path, equal_step_costs):
     class Recording:
         """Stands in for `StepGraphs`: its bookkeeping, with 'replay' running the body eagerly (CPU)."""
 
@@ -56,13 +56,6 @@ def test_steps_run_eagerly_until_captured_and_stay_exact(tmp_path, monkeypatch):
         def clear(self):
             self.graphs.clear()
 
-    # the width choice measures real step times, which a busy CPU makes noisy: every step costs the same here, so
-    # the shapes the steps take (and which of them come once) do not depend on the machine's load
-    from engine.batch.step_width import StepWidth
-
-    observe = StepWidth.observe
-    monkeypatch.setattr(StepWidth, "observe", lambda self, rows, prefix, width, block, seconds, *a, **k: observe(
-        self, rows, prefix, width, block, None if seconds is None else 0.01, *a, **k))
     loaded = load_model(str(build_tiny_model(tmp_path / "m", seed=0, sliding_window=8)), "cpu", "float32")
     chunks = [[text_page(i)] for i in range(3)]
     expected = [official_generate(loaded, c, "single", 30).output_ids for c in chunks]
