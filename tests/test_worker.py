@@ -19,6 +19,7 @@ import pytest
 import torch
 from PIL import Image
 from sqlalchemy import func, select
+from sqlalchemy.exc import OperationalError
 
 from db.models import Chunk, ChunkStatus, DocStatus, Document, Duplicate, Page, Run
 from db.session import Database
@@ -277,6 +278,8 @@ def freeze_while(proc, db, holding) -> list:
     """Freeze ``proc`` (SIGSTOP) at a moment when ``holding(session)`` returns running chunks (the tiny model decodes
     a chunk in well under a second, so the queue itself is watched); returns them, seen while frozen."""
     deadline, running = time.monotonic() + 120, []
+    # the look while it is frozen waits 1 s at most: frozen inside a transaction it holds SQLite's write lock for good
+    frozen_look = Database(db.url, busy_timeout_ms=1000, create=False)
     while not running and time.monotonic() < deadline and proc.poll() is None:
         with db.session() as ss:  # a session holds SQLite's write lock (BEGIN IMMEDIATE): never sleep inside one
             seen = holding(ss)
@@ -284,10 +287,14 @@ def freeze_while(proc, db, holding) -> list:
             time.sleep(0.005)
             continue
         os.kill(proc.pid, signal.SIGSTOP)
-        with db.session() as ss:
-            running = holding(ss)
-        if not running:  # it finished between the two looks: let it go on to the next chunk
+        try:
+            with frozen_look.session() as ss:
+                running = holding(ss)
+        except OperationalError:  # frozen while it held the write lock: let it go and look again
+            running = []
+        if not running:  # it finished between the two looks (or held the lock): let it go on
             os.kill(proc.pid, signal.SIGCONT)
+    frozen_look.dispose()
     assert running, "the process was never seen holding a chunk\n" + "".join(proc.lines)
     return running
 
