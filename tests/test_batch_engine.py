@@ -168,6 +168,7 @@ def test_out_of_memory_sends_rows_back_and_loses_nothing(models, official, monke
     results = engine.run([engine.prepare(c, limit(8, i), key=i) for i, c in enumerate(CHUNKS)])
     assert [r.output_ids for r in results] == expected
     assert engine.row_limit == 2 and max(calls[5:]) <= 2
+    assert engine.kv.rows == 2 and all(k.shape[0] == 2 for k in engine.kv.keys)  # the cache gave the memory back
 
 
 def test_the_block_drafter_drafts_for_every_row_and_stays_exact(models, official):

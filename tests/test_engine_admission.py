@@ -94,11 +94,73 @@ def test_out_of_memory_admitting_several_chunks_halves_the_group_and_loses_nothi
 
 
 def test_out_of_memory_admitting_beside_rows_in_flight_shrinks_the_batch(loaded, expected):
+    """Without memory figures (the CPU) the batch halves, and the cache gives the memory of the rows above back."""
     engine = BatchEngine(loaded, "lossless", max_batch=5, admit_tokens=1)
     engine.admission_hook = hook = oom(lambda requests: engine.active == 2)
     ended = run_all(engine)
-    assert hook.fired == [1] and engine.row_limit == 2
+    assert hook.fired == [1] and engine.row_limit == 2 and engine.kv.rows == 2
     assert [ended[i] for i in range(len(CHUNKS))] == expected
+
+
+def test_out_of_memory_admitting_frees_the_rows_admission_lacks_at_once(loaded, expected):
+    """Admission lacks 2.5 rows' worth of memory (nothing free): three rows go in one shrink, their chunks queued
+    again from the start; a second error takes at least twice as many (so the one row left); every chunk ends once,
+    exact."""
+    engine = BatchEngine(loaded, "plain", max_batch=5, admit_tokens=1)
+    engine.admission_need = int(2.5 * engine.kv.bytes_per_row())
+    fired = []
+
+    def hook(requests):
+        if engine.active == 4 and not fired or engine.active == 1 and len(fired) == 1:
+            fired.append(engine.active)
+            raise torch.OutOfMemoryError("CUDA out of memory (injected at admission)")
+
+    engine.admission_hook = hook
+    ended = run_all(engine)
+    assert fired == [4, 1]
+    first, second = engine.memory_events
+    assert (first["rows_before"], first["rows"], first["queued_again"]) == (5, 2, 2)
+    assert (second["rows_before"], second["rows"]) == (2, 1)
+    assert "GiB needed" in first["reason"]
+    assert engine.row_limit == engine.kv.rows == 1 and engine.kv.keys[0].shape[0] == 1
+    assert [ended[i] for i in range(len(CHUNKS))] == expected
+
+
+def test_rows_kept_after_admission_runs_out_of_memory():
+    """The figures of a 16-page stand-in run: 195 rows of 265 MiB, 12.9 GiB needed, 2 GiB free: 42 rows go at once
+    (the old rule took one a time); a repeat takes at least twice as many; no figures: half."""
+    from engine.batch.memory import rows_after_admission_oom
+
+    mib, gib = 2**20, 2**30
+    assert rows_after_admission_oom(195, 265 * mib, int(12.9 * gib), 2 * gib) == 195 - 43
+    assert rows_after_admission_oom(152, 265 * mib, int(12.9 * gib), 11 * gib, freed_last=43) == 152 - 86
+    assert rows_after_admission_oom(10, 265 * mib, gib, 5 * gib) == 9  # enough free by the figures: one row still
+    assert rows_after_admission_oom(3, 265 * mib, 100 * gib, 0) == 1
+    assert rows_after_admission_oom(9, 265 * mib, 0, 0) == 4
+
+
+def test_the_cache_keeps_fewer_rows_with_their_contents_and_frees_the_rest(loaded, monkeypatch):
+    """`KVSlots.keep_rows`: the first rows' keys and values unchanged, the buffers smaller; a copy that does not fit
+    leaves a view of the old buffer (right shape), given back by the next call."""
+    engine = BatchEngine(loaded, "plain", max_batch=5)
+    kv = engine.kv
+    with torch.inference_mode():
+        for buf in [*kv.keys, *kv.values]:
+            buf.normal_()
+    kept = [b[:3].clone() for b in [*kv.keys, *kv.values]]
+    before = kv.nbytes()
+    assert kv.keep_rows(3) and kv.rows == 3
+    assert all(torch.equal(b, k) for b, k in zip([*kv.keys, *kv.values], kept))
+    assert kv.nbytes() == before - 2 * kv.bytes_per_row()
+    assert not kv.keep_rows(3) and not kv.keep_rows(4)
+    real = kv.zeros
+    monkeypatch.setattr(kv, "zeros", lambda shape: (_ for _ in ()).throw(torch.OutOfMemoryError("injected")))
+    assert kv.keep_rows(2) and all(b.shape[0] == 2 for b in [*kv.keys, *kv.values])
+    assert all(b.untyped_storage().nbytes() > b.numel() * b.element_size() for b in kv.keys)  # views
+    monkeypatch.setattr(kv, "zeros", real)
+    assert kv.keep_rows(2)
+    assert all(b.untyped_storage().nbytes() == b.numel() * b.element_size() for b in [*kv.keys, *kv.values])
+    assert all(torch.equal(b, k[:2]) for b, k in zip([*kv.keys, *kv.values], kept))
 
 
 def test_a_chunk_that_does_not_fit_alone_at_admission_comes_back_with_its_error(loaded, expected):

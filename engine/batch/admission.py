@@ -10,8 +10,13 @@ prefill activations) stays bounded however many rows are free.
 
 Out of memory while admitting a group: its chunks not yet in a row go back to the front of the queue (nothing is
 lost, none is produced twice). A group of several chunks: ``admit_pages`` halves and the next turn tries again. One
-chunk beside rows in flight: the batch is limited to the rows in flight (`BatchEngine._shrink`). One chunk alone in
-the batch: the error is raised, the chunk stays at the front of the queue (the caller decides, e.g. splits it).
+chunk beside rows in flight: the cache keeps fewer rows, enough fewer to free what admission lacks
+(`BatchEngine.shrink_for_admission`; the chunks of the rows above go back to the queue). One chunk alone in the
+batch: the error is raised, the chunk stays at the front of the queue (the caller decides, e.g. splits it).
+
+On CUDA each admission group's peak memory above what was allocated before it is measured (when it raises the
+device's peak): ``BatchEngine.admission_peak`` keeps the largest, and ``admission_need`` (the model's estimate,
+`engine.batch.memory.admission_bytes`) grows to it, so that an out-of-memory error frees what admission really took.
 """
 
 from __future__ import annotations
@@ -87,7 +92,7 @@ def admit(engine) -> list[ChunkResult]:
                 return finished
             if not engine.active:
                 raise
-            engine._shrink(engine.active, f"out of memory while admitting ({type(exc).__name__})")
+            engine.shrink_for_admission(f"out of memory while admitting ({type(exc).__name__})")
             return finished
         budget -= sum(_prefix_len(r) for r in group)
     return finished
@@ -106,6 +111,21 @@ def _make_room(engine, prefix_len: int) -> bool:
 
 
 def _admit_group(engine, take: list, free: list[int]) -> list[ChunkResult]:
+    cuda = engine.loaded.device.type == "cuda"
+    if cuda:
+        allocated, peak = torch.cuda.memory_allocated(engine.loaded.device), \
+            torch.cuda.max_memory_allocated(engine.loaded.device)
+    finished = _admit(engine, take, free)
+    if cuda and torch.cuda.max_memory_allocated(engine.loaded.device) > peak:
+        took = torch.cuda.max_memory_allocated(engine.loaded.device) - allocated
+        engine.admission_peak = max(engine.admission_peak, took)
+        engine.admission_need = max(engine.admission_need, took)
+        logger.debug("admission of {} chunk(s), {} pages took {:.2f} GiB at its peak ({:.2f} GiB allocated before)",
+                     len(take), sum(r.n_pages for r in take), took / 2**30, allocated / 2**30)
+    return finished
+
+
+def _admit(engine, take: list, free: list[int]) -> list[ChunkResult]:
     t0 = time.perf_counter()
     engine.admission_hook(take)
     inputs = [r.inputs.to(engine.loaded.device, dtype=engine.loaded.dtype) for r in take]

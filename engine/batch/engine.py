@@ -34,6 +34,7 @@ from loguru import logger
 
 from engine.batch.acceptance import accept
 from engine.batch.admission import ADMIT_PAGES, ADMIT_TOKENS, VISION_GROUP, admit
+from engine.batch.memory import admission_bytes, rows_after_admission_oom
 from engine.batch.requests import ChunkRequest, ChunkResult
 from engine.batch.rows import DRAFTERS, MODES, Row, make_drafters
 from engine.batch.step_width import StepWidth
@@ -107,6 +108,11 @@ class BatchEngine:
         self.steps = 0
         self.width_steps: dict[int, int] = {}  # steps run at each width
         self.timing = {"vision_s": 0.0, "prefill_s": 0.0, "steps_s": 0.0}  # wall time of the engine's work
+        self.memory_events: list[dict] = []  # each shrink after out of memory (`_shrink`)
+        # what one admission group takes on the device at most: the model's estimate, raised by what admissions
+        # measured (`engine.batch.admission`); 0 off CUDA (no figures: an out-of-memory error halves the batch)
+        self.admission_need = admission_bytes(loaded, vision_group=vision_group) if loaded.device.type == "cuda" else 0
+        self.admission_peak = 0  # the largest admission measured, bytes above what was allocated before it
         self.fit_rows()
 
     def prepare(self, images: list, max_new_tokens: int, key: Any = None, reference_texts: list[str] | None = None,
@@ -155,6 +161,21 @@ class BatchEngine:
                 raise  # one chunk alone does not fit: the caller decides (e.g. split it)
             self._shrink(max(1, self.active // 2), f"out of memory in a step ({type(exc).__name__})")
         return finished
+
+    def shrink_for_admission(self, reason: str) -> None:
+        """One chunk ran out of memory at admission beside rows in flight: give admission the memory it lacks by
+        keeping fewer rows (`engine.batch.memory.rows_after_admission_oom`, from the free memory now and
+        ``admission_need``)."""
+        free = 0
+        if self.loaded.device.type == "cuda":
+            driver_free, _ = torch.cuda.mem_get_info(self.loaded.device)
+            free = driver_free + torch.cuda.memory_reserved(self.loaded.device) - \
+                torch.cuda.memory_allocated(self.loaded.device)
+        rows = self.kv.rows
+        freed_last = next((e["rows_before"] - e["rows"] for e in reversed(self.memory_events)
+                           if e["reason"].startswith("out of memory while admitting")), 0)
+        keep = rows_after_admission_oom(rows, self.kv.bytes_per_row(), self.admission_need, free, freed_last)
+        self._shrink(keep, f"{reason}; {self.admission_need / 2**30:.1f} GiB needed, {free / 2**30:.1f} GiB free")
 
     def fit_rows(self) -> None:
         """Keep the batch within the rows the key/value cache holds (fewer than ``max_batch`` when memory was short,
@@ -290,16 +311,22 @@ class BatchEngine:
                            time.perf_counter() - row.started + row.times["prefill_s"], stats)
 
     def _shrink(self, limit: int, reason: str) -> None:
-        """Out of memory: the rows at ``limit`` and above go back to the front of the queue (from their start)."""
+        """Out of memory: the rows at ``limit`` and above go back to the front of the queue (from their start) and
+        the key/value cache gives their memory back (`KVSlots.keep_rows`); the batch stays at ``limit`` rows."""
         back = [r for r in self.rows[limit:] if r is not None]
         for row in back:
             self.rows[row.index] = None
             self.kv.close_row(row.index)
         self.pending.extendleft(reversed([r.request for r in back]))
+        rows_before = self.kv.rows
         self.row_limit = limit
         if self.graphs is not None:
-            self.graphs.clear()
+            self.graphs.clear()  # captured over the buffers about to move
+        self.kv.keep_rows(limit)
+        self.row_buckets = pow2_buckets(self.kv.rows)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        logger.warning("{}: batch limited to {} rows; {} chunk(s) queued again from their start", reason, limit,
-                       len(back))
+        self.memory_events.append({"reason": reason, "rows_before": rows_before, "rows": self.kv.rows,
+                                   "queued_again": len(back)})
+        logger.warning("{}: batch limited to {} rows (the cache held {}); {} chunk(s) queued again from their start",
+                       reason, limit, rows_before, len(back))

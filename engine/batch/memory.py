@@ -77,3 +77,14 @@ def auto_batch(loaded, prefix_len: int, k_max: int) -> int:
     logger.info("max_batch auto: {} rows of {} prefix tokens ({:.0f} MiB each, {:.1f} GiB kept for admission, "
                 "{:.1f} GiB free)", rows, prefix_len, per_row / 2**20, reserve / 2**30, free / 2**30)
     return rows
+
+
+def rows_after_admission_oom(rows: int, per_row: int, need: int, free: int, freed_last: int = 0) -> int:
+    """The rows the cache keeps after one chunk ran out of memory at admission beside rows in flight: as many rows
+    go as hold the memory admission lacks (``need`` - ``free`` bytes, ``per_row`` bytes a row), at least twice the
+    rows the previous such error took (``freed_last``: should the figures be short, a few errors end it, not one a
+    row) and at least one; without figures (``need`` 0: not CUDA) half the rows. One row at least stays."""
+    if need <= 0:
+        return max(1, rows // 2)
+    lacking = max(1, math.ceil((need - free) / max(1, per_row)))
+    return max(1, rows - max(lacking, 2 * freed_last))

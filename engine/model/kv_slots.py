@@ -24,7 +24,8 @@ alike, only the first accepted ones are committed):
 
 Memory: the key/value buffers hold ``rows <= max_batch`` rows. When ``max_batch`` rows of that capacity do not fit
 (out of memory at construction or when the prefix region grows), ``rows`` halves until they do (one row at least,
-else the error stands); the caller keeps its rows below ``rows`` (the rows above lose their cache).
+else the error stands); ``keep_rows`` gives back the memory of the rows above a count (the batch shrinks after an
+out-of-memory error elsewhere). The caller keeps its rows below ``rows`` (the rows above lose their cache).
 """
 
 from __future__ import annotations
@@ -102,6 +103,30 @@ class KVSlots:
                 new[:kept, : self.ring_size + old[2]].copy_(prev[:kept])
             self.prefix_index = torch.arange(capacity, device=self.device)
         self.keys, self.values, self.capacity = keys, values, capacity
+
+    def keep_rows(self, rows: int) -> bool:
+        """Hold the first ``rows`` rows only, freeing the others' memory (their contents are dropped); True when the
+        buffers moved. Buffer by buffer: a smaller copy, then the old one goes, so the copy costs one buffer's worth
+        of memory at most; a copy that does not fit keeps a view of the old buffer (right shape, memory freed on the
+        next call)."""
+        rows = max(1, rows)
+        buffers = [*self.keys, *self.values]
+        if rows >= self.rows and all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in buffers):
+            return False  # nothing to free (no view of a larger buffer left from a copy that did not fit)
+        rows = min(rows, self.rows)
+        with torch.inference_mode():
+            for group in (self.keys, self.values):
+                for i, old in enumerate(group):
+                    group[i] = old[:rows]  # a view; the old buffer's last other holder goes below
+                    try:
+                        group[i] = self.zeros(tuple(group[i].shape)).copy_(old[:rows])
+                    except torch.OutOfMemoryError:
+                        pass
+                    del old
+                    if self.device.type == "cuda":
+                        torch.cuda.empty_cache()
+        self.rows = rows
+        return True
 
     def zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         """One key or value buffer (a test can make it run out of memory)."""

@@ -273,7 +273,8 @@ def run_engine(loaded, chunks, tokens: int, device: str, mode: str, kernels: str
                               if c - width_before.get(w, 0)},
            "probes": engine.step_width.probes, "calibration": round(engine.step_width.calibration, 3),
            "rows": engine.max_batch, "row_limit": engine.row_limit, "cache_rows": engine.kv.rows,
-           "admit_pages": engine.admit_pages,
+           "admit_pages": engine.admit_pages, "admission_peak_gb": round(engine.admission_peak / 2**30, 3),
+           "memory_events": engine.memory_events,
            "backend": "graphs" if engine.graphs is not None else "eager", "kernels": kernels}
     ids = {k: r.output_ids for k, r in results.items()}
     logprobs = {k: r.logprobs for k, r in results.items()}
