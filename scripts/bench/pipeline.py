@@ -11,7 +11,8 @@ cost at full size); ``[quality] repair`` is then off (``--repair``), since its t
 ``--prepare-processes`` sets ``[worker] prepare_processes`` (default "auto"; 0: pages prepared in the worker's thread).
 Reported per setting: wall seconds, pages, pages per hour, pages per hour once the model is loaded (the run's opening
 in the ledger: imports and model load left out; graph capture kept), time to the first finished page (its chunk's
-ledger time after the command's start) and document, output tokens, tokens per second of decoding, mean tau, the
+ledger time after the command's start) and document, pages stored per distinct page (``pages_distinct``: none twice),
+the batch shrinks after out of memory (``memory_shrinks``), output tokens, tokens per second of decoding, mean tau, the
 mean batch size pages were decoded in (``stats.batch_rows``), the GPU's busy share (``nvidia-smi``), and a timeline
 of where the wall went (start-up, imports, load, graph capture, page preparation, vision, prefill, decode steps,
 engine host work, quality checks, finishing, ledger claims and stores; main thread and other threads apart).
@@ -142,7 +143,9 @@ def one_setting(args, documents: list[Path], max_batch: str, mode: str, work: Pa
     first_page = min((aware(page.created_at, started) for page, _ in pages), default=None)
     tokens = sum(s.get("tokens", 0) for s in stats)
     decode_s = sum(s.get("verify_s", 0.0) + s.get("single_s", 0.0) + s.get("draft_s", 0.0) for s in stats)
-    row.update(pages=len(stats), documents=len(done), pages_per_hour=round(3600 * len(stats) / seconds, 1),
+    row.update(pages=len(stats), pages_distinct=len({(doc.id, page.page_index) for page, doc in pages}),
+               memory_shrinks=proc.stderr.count("batch limited to"),
+               documents=len(done), pages_per_hour=round(3600 * len(stats) / seconds, 1),
                tokens=tokens, decode_tok_s=round(tokens / decode_s, 1) if decode_s else None,
                tau=round(statistics.mean(s.get("tau", 0.0) for s in stats), 3) if stats else None,
                batch_rows=round(statistics.mean(s.get("batch_rows", 1.0) for s in stats), 2) if stats else None,
