@@ -224,3 +224,42 @@ def test_the_auto_batch_keeps_room_for_the_vision_towers_attention_scores():
     assert vision_bytes(real) == VISION_BASE + 2 * scores_8_pages
     assert vision_bytes(real, vision_group=4) == VISION_BASE + scores_8_pages
     assert admission_bytes(real) - admission_bytes(real, vision_group=4) == scores_8_pages
+
+
+def test_a_group_smaller_than_a_padded_vision_call_waits_a_few_turns_while_rows_decode():
+    """Padded vision (batch-invariant kernels) costs a full call whatever it holds: a 1-page group waits up to
+    ``ADMIT_WAIT_TURNS`` turns while rows decode; a full call's worth of pages, no row decoding, or unpadded vision
+    go at once."""
+    from types import SimpleNamespace
+
+    from engine.batch.admission import ADMIT_WAIT_TURNS, worth_a_vision_call
+
+    one, four = SimpleNamespace(n_pages=1), SimpleNamespace(n_pages=4)
+    engine = SimpleNamespace(pad_vision=True, active=3, vision_group=8, admit_waited=0)
+    assert [worth_a_vision_call(engine, [one]) for _ in range(ADMIT_WAIT_TURNS + 1)] == [False] * ADMIT_WAIT_TURNS + [
+        True
+    ]
+    assert engine.admit_waited == 0 and not worth_a_vision_call(engine, [one, four])
+    assert worth_a_vision_call(engine, [four, four]) and engine.admit_waited == 0
+    assert worth_a_vision_call(SimpleNamespace(pad_vision=True, active=0, vision_group=8, admit_waited=0), [one])
+    assert worth_a_vision_call(SimpleNamespace(pad_vision=False, active=3, vision_group=8, admit_waited=0), [one])
+
+
+def test_waiting_to_fill_vision_calls_changes_no_token(loaded, expected, monkeypatch):
+    """Padded vision groups (as with batch-invariant kernels): the chunks end with official ``generate()``'s tokens,
+    each once, whether small groups wait or go at once; the wait moves admissions."""
+    import engine.batch.admission as admission
+
+    def run(wait_turns):
+        monkeypatch.setattr(admission, "ADMIT_WAIT_TURNS", wait_turns)
+        engine = BatchEngine(loaded, "plain", max_batch=3, vision_group=4, admit_tokens=1)
+        engine.pad_vision = True
+        admitted = []
+        engine.admission_hook = lambda requests: admitted.append((engine.steps, [r.key for r in requests]))
+        ended = run_all(engine)
+        return [ended[i] for i in range(len(CHUNKS))], admitted
+
+    waited, when_waiting = run(4)
+    at_once, when_at_once = run(0)
+    assert waited == at_once == expected
+    assert when_waiting != when_at_once

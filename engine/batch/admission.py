@@ -6,7 +6,9 @@ While rows are free and chunks wait, chunks are taken in queue order in groups o
 tokens a forward) and each takes its first token in its row. One turn admits at most ``admit_tokens`` prefix tokens
 (at least one chunk), then the step runs: the rows already decoding wait for one bounded piece of admission, never
 for the whole queue's vision and prefills, and what admission holds on the device (pixels, vision activations,
-prefill activations) stays bounded however many rows are free.
+prefill activations) stays bounded however many rows are free. With padded vision groups (batch-invariant kernels), a
+group of fewer pages than one vision call waits a few turns for more free rows while other rows decode
+(`worth_a_vision_call`): the padding would cost more than the rows left idle meanwhile.
 
 Out of memory while admitting a group: its chunks not yet in a row go back to the front of the queue (nothing is
 lost, none is produced twice). A group of several chunks: ``admit_pages`` halves and the next turn tries again. One
@@ -34,6 +36,7 @@ PREFILL_TOKENS = 16384  # prefix tokens prefilled in one forward at most (chunks
 ADMIT_PAGES = 64  # pages a group brings to the device at most (pixels, vision features)
 ADMIT_TOKENS = 8192  # prefix tokens one turn admits at most before the next decode step (at least one chunk)
 VISION_GROUP = 8  # pages through the vision tower in one call (`engine.model.vision.embed_chunks`)
+ADMIT_WAIT_TURNS = 8  # turns a group smaller than a padded vision call waits for more free rows at most
 
 
 def prefill_groups(lengths: list[int], budget: int) -> list[list[int]]:
@@ -64,6 +67,22 @@ def next_group(pending, free: int, pages: int, tokens: int, first: bool = True) 
     return [pending[i] for i in range(count)]
 
 
+def worth_a_vision_call(engine, group: list) -> bool:
+    """Whether ``group`` goes to the device this turn. With padded vision groups (batch-invariant kernels) a vision
+    call costs ``vision_group`` pages whatever it holds: a 1-page chunk admitted alone pays for 8 pages of SAM and
+    CLIP (~1.1 TFLOP a page at the real size: `scripts.bench.vision_cost`). So while rows decode, a group
+    of fewer pages than a vision call takes waits, up to ``ADMIT_WAIT_TURNS`` turns, for more rows to free (a free
+    row idle a few steps costs far less); with no row decoding, or unpadded vision, it goes at once."""
+    if not engine.pad_vision or not engine.active or sum(r.n_pages for r in group) >= engine.vision_group:
+        engine.admit_waited = 0
+        return True
+    engine.admit_waited += 1
+    if engine.admit_waited > ADMIT_WAIT_TURNS:
+        engine.admit_waited = 0
+        return True
+    return False
+
+
 def admit(engine) -> list[ChunkResult]:
     """Admit into ``engine`` (a `engine.batch.engine.BatchEngine`) what one turn may; the chunks that ended at once."""
     finished: list[ChunkResult] = []
@@ -73,7 +92,7 @@ def admit(engine) -> list[ChunkResult]:
         if not free:
             break
         group = next_group(engine.pending, len(free), engine.admit_pages, budget, budget == engine.admit_tokens)
-        if not group:
+        if not group or not worth_a_vision_call(engine, group):
             break
         if _make_room(engine, max(_prefix_len(r) for r in group)):
             continue  # the cache holds fewer rows now: the free rows again

@@ -79,6 +79,7 @@ class BatchEngine:
             block_beside_copies, block_sits_out, block_full_k
         self.drafter_factory, self.adaptive_width = drafter_factory, adaptive_width
         self.admit_pages, self.admit_tokens = max(1, admit_pages), max(1, admit_tokens)
+        self.admit_waited = 0  # turns the next admission group has waited to fill a vision call (`admission`)
         self.admission_hook = lambda requests: None
         self.rules = {kind: official_rule(loaded, kind) for kind in ("single", "multi")}
         self.eos = loaded.eos_token_id
