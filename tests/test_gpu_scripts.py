@@ -121,3 +121,18 @@ def test_bench_cpu_synth_smoke(tmp_path, capsys, equal_step_costs):
     assert counts["acceptance"] == 1.0 and counts["accepted"] == counts["proposed"] > 0  # per-document rates
     wrong = runs["always-wrong"]["drafters"]["replay"]
     assert wrong["acceptance"] == 0.0 and wrong["accepted"] == 0 < wrong["proposed"]
+
+
+def test_vision_cost_counts_the_real_tower_by_part(tmp_path, capsys):
+    """The real architecture's vision tower counted on the meta device: the parts add up to the total, SAM's four
+    global-attention layers and its windowed ones both carry a share, and the JSON line is the record written."""
+    from scripts.bench import vision_cost
+
+    out = tmp_path / "vision.json"
+    result = vision_cost.main(["--pages", "2", "--json", str(out)])
+    assert _last_json(capsys) == json.loads(out.read_text()) == result
+    parts = result["gflop_per_page_by_part"]
+    assert abs(sum(parts.values()) - result["gflop_per_page"]) < 0.5
+    assert result["global_layers"] == [2, 5, 8, 11] and min(parts["sam_global"], parts["sam_windowed"]) > 100
+    assert 1000 < result["gflop_per_page"] < 1300  # a full-size SAM-B at 1,024 px and CLIP-L
+    assert result["global_bias_gib"] == 2 * 12 * 4096 * 4096 * 2 / 2**30
