@@ -49,6 +49,12 @@ def runs(db: Database, ids: Collection[int]) -> list[Run]:
         return list(s.scalars(select(Run).where(among(Run.id, ids)).order_by(Run.id))) if ids else []
 
 
+def run_ids(db: Database) -> list[int]:
+    """Every run's id, in order."""
+    with db.session() as s:
+        return list(s.scalars(select(Run.id).order_by(Run.id)))
+
+
 def latest_run_with_pages(db: Database) -> int | None:
     with db.session() as s:
         return s.scalar(select(func.max(Page.run_id)))

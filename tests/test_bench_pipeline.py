@@ -29,3 +29,23 @@ def test_timeline_wraps_every_probe_and_writes_json(tmp_path):
     rows = dict((name, main) for name, main, *_ in timeline_rows({**t, "startup_s": 0.5}))
     assert rows["imports"] == t["imports_s"] and rows["start-up (interpreter)"] == 0.5 and "decode steps" in rows
     assert {"page preparation", "orientation probes", "submit (processor)", "finishing documents"} <= set(rows)
+
+
+def test_the_workers_bench_runs_one_and_two_watchers_on_one_ledger(tmp_path, tiny_model_dir, capsys):
+    """`scripts.bench.workers` on the CPU: one `uflash watch`, then two on one SQLite ledger, over the same four
+    documents: every document done in both settings, every page stored once, both watchers took pages."""
+    from scripts.bench import workers
+
+    out = tmp_path / "workers.json"
+    workers.main(["--model", str(tiny_model_dir), "--docs", "4", "--doc-pages", "3", "--chunk-pages", "1",
+                  "--max-tokens-per-page", "48", "--workers", "1,2", "--devices", "cpu", "--rows", "2",
+                  "--max-seconds", "400", "--json", str(out)])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report == json.loads(out.read_text()) and report["pages"] == 12
+    one, two = report["settings"]
+    for s in (one, two):
+        assert s["documents_done"] == 4 and s["documents_failed"] == 0 and s["cut_at_s"] is None, s
+        assert s["pages"] == s["pages_distinct"] == 12 and s["stored_twice"] == 0, s
+    assert (one["rows_each"], two["rows_each"]) == (2, 1) and len(two["devices"]) == 2
+    assert len(two["pages_by_worker"]) == 2, two  # both watchers stored pages
+    assert two["x_first"] == round(two["pages_per_hour"] / one["pages_per_hour"], 3)
