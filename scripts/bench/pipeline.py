@@ -206,13 +206,18 @@ def run_until(cmd: list[str], env: dict, max_seconds: float | None) -> tuple[sub
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err), max_seconds
 
 
+def add_document_options(ap: argparse.ArgumentParser, docs: int, seed0: int) -> None:
+    """The model and the synthetic documents' options (`write_documents`), shared with `scripts.bench.workers`."""
+    ap.add_argument("--model", default="models/demo")
+    ap.add_argument("--docs", type=int, default=docs)
+    ap.add_argument("--doc-pages", default="4", help="pages a document: N, or A-B (drawn per document)")
+    ap.add_argument("--seed0", type=int, default=seed0)
+    ap.add_argument("--scan", action="store_true", help="image-only pages (no text layer)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="models/demo")
-    ap.add_argument("--docs", type=int, default=50)
-    ap.add_argument("--doc-pages", default="4", help="pages a document: N, or A-B (drawn per document)")
-    ap.add_argument("--seed0", type=int, default=860_000)
-    ap.add_argument("--scan", action="store_true", help="image-only pages (no text layer)")
+    add_document_options(ap, docs=50, seed0=860_000)
     ap.add_argument("--ladder", action="store_true", help="the grades' difficulty ladder instead (ingest.synth.ladder: "
                     "1-4 pages, 9-20 pt, scans; most of it the demo model reads badly); --doc-pages is ignored")
     ap.add_argument("--max-batch", default="1,auto")

@@ -36,7 +36,15 @@ from db.pages import page_row_counts
 from db.runs import run_ids, run_pages, runs
 from db.session import Database
 from ingest.config import load_settings
-from scripts.bench.pipeline import aware, config_text, environment, page_counts_of, write_documents, write_json
+from scripts.bench.pipeline import (
+    add_document_options,
+    aware,
+    config_text,
+    environment,
+    page_counts_of,
+    write_documents,
+    write_json,
+)
 from scripts.bench.timeline import GpuSampler
 
 
@@ -126,11 +134,7 @@ def _wait(db: Database, documents: int, procs: list, max_seconds: float | None, 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="models/demo")
-    ap.add_argument("--docs", type=int, default=20)
-    ap.add_argument("--doc-pages", default="4", help="pages a document: N, or A-B (drawn per document)")
-    ap.add_argument("--seed0", type=int, default=870_000)
-    ap.add_argument("--scan", action="store_true", help="image-only pages (no text layer)")
+    add_document_options(ap, docs=20, seed0=870_000)
     ap.add_argument("--workers", default="1,2", help="workers a setting, e.g. 1,2")
     ap.add_argument("--devices", default="auto", help="devices the workers take in turn, e.g. cuda:0,cuda:1")
     ap.add_argument("--rows", type=int, default=8, help="rows in all: each of N workers takes rows / N")
