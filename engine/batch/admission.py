@@ -100,7 +100,9 @@ def admit(engine) -> list[ChunkResult]:
             engine.pending.popleft()
         try:
             finished += _admit_group(engine, group, free)
-        except torch.OutOfMemoryError as exc:
+            budget -= sum(_prefix_len(r) for r in group)
+            continue
+        except torch.OutOfMemoryError:
             admitted = {id(r.request) for r in engine.rows if r is not None}
             back = [r for r in group if id(r) not in admitted]
             engine.pending.extendleft(reversed(back))
@@ -111,9 +113,10 @@ def admit(engine) -> list[ChunkResult]:
                 return finished
             if not engine.active:
                 raise
-            engine.shrink_for_admission(f"out of memory while admitting ({type(exc).__name__})")
-            return finished
-        budget -= sum(_prefix_len(r) for r in group)
+        # out of memory admitting one chunk beside rows in flight; shrink outside the handler, whose traceback held
+        # the failed admission's tensors
+        engine.shrink_for_admission("out of memory while admitting (OutOfMemoryError)")
+        return finished
     return finished
 
 

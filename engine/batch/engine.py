@@ -157,10 +157,12 @@ class BatchEngine:
             return finished
         try:
             finished += self._step()
-        except torch.OutOfMemoryError as exc:
+            return finished
+        except torch.OutOfMemoryError:
             if self.active <= 1:
                 raise  # one chunk alone does not fit: the caller decides (e.g. split it)
-            self._shrink(max(1, self.active // 2), f"out of memory in a step ({type(exc).__name__})")
+        # shrink outside the handler, whose traceback held the failed step's tensors
+        self._shrink(max(1, self.active // 2), "out of memory in a step (OutOfMemoryError)")
         return finished
 
     def shrink_for_admission(self, reason: str) -> None:

@@ -110,18 +110,18 @@ class KVSlots:
         of memory at most; a copy that does not fit keeps a view of the old buffer (right shape, memory freed on the
         next call)."""
         rows = max(1, rows)
-        buffers = [*self.keys, *self.values]
-        if rows >= self.rows and all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in buffers):
+        whole = all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in [*self.keys, *self.values])
+        if rows >= self.rows and whole:
             return False  # nothing to free (no view of a larger buffer left from a copy that did not fit)
         rows = min(rows, self.rows)
         with torch.inference_mode():
             for group in (self.keys, self.values):
                 for i, old in enumerate(group):
-                    group[i] = old[:rows]  # a view; the old buffer's last other holder goes below
+                    group[i] = old[:rows]  # a view; ``old`` is the old buffer's last other holder
                     try:
                         group[i] = self.zeros(tuple(group[i].shape)).copy_(old[:rows])
                     except torch.OutOfMemoryError:
-                        pass
+                        pass  # the view stays: right shape, the memory given back by the next call
                     del old
                     if self.device.type == "cuda":
                         torch.cuda.empty_cache()
