@@ -8,7 +8,8 @@ or failed (or ``--max-seconds``), then stopped with SIGTERM. The ledger is a SQL
 (every worker on one machine), or ``--ledger-urls``: one empty PostgreSQL database per setting, comma-separated.
 Reported per setting: pages, documents done and failed, pages stored per distinct page (none twice), the wall from the
 start to the last document done, pages per hour over it and after load (from the last worker's run opening, i.e.
-once every model is loaded, to the last page stored), each worker's pages, and the GPU's busy share. With several
+once every model is loaded, to the last page stored), each worker's pages (by its runs' owner), and the GPU's busy
+share. With several
 settings, each against the first (``x_first``).
 
     python -m scripts.bench.workers --model /tmp/standin --docs 40 --doc-pages 4-40 --scan --chunk-pages 16 \\
@@ -94,7 +95,13 @@ def one_setting(args, documents: list[Path], workers: int, work: Path, url: str 
     counts = ledger_counts(db)
     copies = page_row_counts(db)
     by_run = {r: run_pages(db, r) for r in run_ids(db)}
-    opened = [aware(r.started_at, started) for r in runs(db, list(by_run))]
+    # a watcher opens a run again each time the queue runs dry: its pages and its load are by owner, not by run
+    by_owner: dict[str, list] = {}
+    first_opened: dict[str, datetime] = {}
+    for run in runs(db, list(by_run)):
+        by_owner.setdefault(run.owner, []).extend(by_run[run.id])
+        first_opened.setdefault(run.owner, aware(run.started_at, started))
+    opened = list(first_opened.values())
     db.dispose()
     pages = [p for stored in by_run.values() for p, _ in stored]
     done = [aware(d.completed_at, started) for stored in by_run.values() for _, d in stored if d.completed_at]
@@ -107,7 +114,7 @@ def one_setting(args, documents: list[Path], workers: int, work: Path, url: str 
            "documents_failed": counts["documents"].get("failed", 0), "cut_at_s": cut,
            "exit_codes": [p.returncode for p in procs], "seconds": round(wall, 2),
            "pages_per_hour": round(3600 * len(pages) / max(wall, 1e-9), 1),
-           "pages_by_worker": [len(v) for v in by_run.values() if v]}
+           "pages_by_worker": [len(v) for v in by_owner.values() if v]}
     stored = [aware(p.created_at, started) for p in pages]
     if opened and stored:
         loaded = max(opened)
