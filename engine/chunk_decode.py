@@ -29,6 +29,18 @@ class ChunkDecoder(Protocol):
 
     def free_memory(self) -> None: ...
 
+    def close(self) -> None:
+        """Give the device memory back now (the decoder is done)."""
+
+
+def replay_of(tokenizer: Any, texts: list[str]) -> list[int]:
+    """A replay draft from earlier readings of a chunk's pages (texts a decoder wrote; ``replay_ids`` of ``decode``):
+    their token ids as the model writes them, pages after the page separator when there are several."""
+    from engine.drafters.suffix_match import reading_ids
+    from engine.model.load import PAGE_SEPARATOR
+
+    return reading_ids(tokenizer, texts, PAGE_SEPARATOR if len(texts) > 1 else None)
+
 
 def describe_model(lm: LoadedModel) -> dict[str, Any]:
     """What a run records about the model it decoded with."""
@@ -85,6 +97,9 @@ class OfficialDecoder:
     def free_memory(self) -> None:
         free_device_memory()
 
+    def close(self) -> None:
+        free_device_memory()
+
     def decode(self, images: list, context_limit: int, max_new_tokens: int | None = None,
                reference_texts: list[str] | None = None, replay_ids: list[int] | None = None) -> ChunkOutput:
         n = len(images)  # the official path takes no draft hints
@@ -126,6 +141,11 @@ class EngineDecoder:
                 **({"fast_threshold": e.fast_threshold} if e.mode == "fast" else {})}
 
     def free_memory(self) -> None:
+        free_device_memory()
+
+    def close(self) -> None:
+        """The engine's memory back at once (`BatchEngine.close`)."""
+        self.engine.close()
         free_device_memory()
 
     @property
@@ -200,7 +220,8 @@ class EngineDecoder:
 
     def _output(self, res) -> ChunkOutput:
         request = res.request
-        hit_context = res.finish_reason != "eos" and self._limits.pop(id(request), False)
+        limit_is_room = self._limits.pop(id(request), False)
+        hit_context = res.finish_reason == "length" and limit_is_room
         stats = res.stats
         result = DecodeResult(prompt_ids=request.prompt_ids, output_ids=res.output_ids,
                               finish_reason=res.finish_reason, seconds=res.seconds,

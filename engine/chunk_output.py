@@ -4,9 +4,10 @@ The decoder runs one pass over the chunk's pages and hands back the pages it can
 - every page, when the model finished (EOS) with one page of output per input page;
 - with a different page count, the pages it produced, in order, with a note on each (never silently
   shifted), and the missing ones asked to be re-queued;
-- when the output reached the context limit, only the pages completed before the last page separator,
-  and the rest asked to be re-queued (the worker sends the page the output was cut on back alone, and the
-  pages after it as a chunk of their own).
+- when the output reached the context limit (or its token limit, or was stopped in a repetition loop:
+  `engine.batch.loop_watch`), only the pages completed before the last page separator, and the rest asked to be
+  re-queued (the worker sends the page the output was cut on back alone, and the pages after it as a chunk of their
+  own).
 A single page always yields exactly one page; cut at the limit, its finish reason says so.
 Each kept page carries its own token ids and their log-probabilities (for ``ingest.quality.measures``): the output
 split at the page separator token (separator and EOS left out), or, when the separator is not one token,
@@ -35,7 +36,7 @@ class PageOutput:
 class ChunkOutput:
     pages: list[PageOutput]  # the pages kept, in order, for input pages 1..len(pages) of the chunk
     n_input_pages: int
-    finish_reason: str  # eos | length | context_limit | no_room
+    finish_reason: str  # eos | length | context_limit | repetition | no_room
     requeue: bool = False  # pages after len(pages) must be decoded again (in a new chunk)
     note: str | None = None
     pages_returned: int | None = None  # the pages the model wrote, where not one per input page
@@ -80,9 +81,10 @@ def assemble(res: DecodeResult, n_in: int, hit_context: bool, page_sep_id: int |
     """Turn one decode of ``n_in`` pages into kept pages, following the module's rules."""
     finished = res.finish_reason == "eos"
     tokens = len(res.output_ids)
+    cut = "repetition" if res.finish_reason == "repetition" else "context_limit" if hit_context else "length"
     if n_in == 1:
         text = res.text.replace(PAGE_SEPARATOR, "\n").strip() if PAGE_SEPARATOR in res.text else res.text.strip()
-        reason = "eos" if finished else ("context_limit" if hit_context else "length")
+        reason = "eos" if finished else cut
         texts, kept_reasons, requeue, note, returned = [text], [reason], False, None, None
     else:
         pieces = split_pages(res.text, PAGE_SEPARATOR)
@@ -134,7 +136,7 @@ def assemble(res: DecodeResult, n_in: int, hit_context: bool, page_sep_id: int |
         )
         for i, t in enumerate(texts)
     ]
-    finish = "eos" if finished else ("context_limit" if hit_context else "length")
+    finish = "eos" if finished else cut
     return ChunkOutput(pages=pages, n_input_pages=n_in, finish_reason=finish, requeue=requeue, note=note,
                        pages_returned=returned, output_ids=list(res.output_ids), chunk_stats={
                            "prompt_tokens": len(res.prompt_ids), "output_tokens": tokens,

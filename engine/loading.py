@@ -9,15 +9,18 @@ from loguru import logger
 from engine.chunk_decode import ChunkDecoder, EngineDecoder, OfficialDecoder, prompt_length
 from engine.model.load import LoadedModel
 
+K_MAX = 16  # most drafted tokens a row verifies in one step
+
 
 def load_decoder(path: str, device: str = "auto", dtype: str = "auto", mode: str = "official",
                  fast_threshold: float | None = None, max_batch: int | str = 1, kernels: str = "auto",
-                 max_pages_per_chunk: int = 0) -> ChunkDecoder:
+                 max_pages_per_chunk: int = 0, loop_check=None) -> ChunkDecoder:
     """official: transformers generate(); plain / lossless / fast: `BatchEngine` (CUDA graphs on a GPU) with
     ``max_batch`` rows (``auto``: as many as the free GPU memory holds, `engine.batch.memory.auto_batch`; 1 on the CPU).
     kernels: ``torch`` or ``invariant`` (`engine.model.forward`); ``auto`` = invariant in bf16/fp16 on CUDA, so that a
     chunk's tokens do not depend on its batch. lossless and fast also draft with the checkpoint's block drafter
-    when it has one (`load_block_drafter`). max_pages_per_chunk: sizes the rows' prefix region up front."""
+    when it has one (`load_block_drafter`). max_pages_per_chunk: sizes the rows' prefix region up front.
+    loop_check(page_ids) -> bool: the engine stops a page caught looping there (`engine.batch.loop_watch`)."""
     from engine.batch.engine import BatchEngine
     from engine.batch.memory import auto_batch
     from engine.batch.rows import MODES
@@ -33,10 +36,10 @@ def load_decoder(path: str, device: str = "auto", dtype: str = "auto", mode: str
     prefix = prompt_length(loaded, max(1, max_pages_per_chunk)) if max_pages_per_chunk else 0
     net = load_block_drafter(loaded) if mode != "plain" else None
     if max_batch == "auto":
-        max_batch = auto_batch(loaded, prefix or prompt_length(loaded, 1), k_max=16 if mode != "plain" else 0)
+        max_batch = auto_batch(loaded, prefix or prompt_length(loaded, 1), K_MAX, drafting=mode != "plain")
     extra = {"fast_threshold": fast_threshold} if fast_threshold is not None else {}
-    engine = BatchEngine(loaded, mode, max_batch=int(max_batch), block_net=net, kernels=kernels,
-                         prefix_capacity=prefix, **extra)
+    engine = BatchEngine(loaded, mode, max_batch=int(max_batch), k_max=K_MAX, block_net=net, kernels=kernels,
+                         prefix_capacity=prefix, loop_check=loop_check, **extra)
     return EngineDecoder(engine)
 
 

@@ -30,7 +30,7 @@ _ELEMENT = re.compile(
 class DecodeResult:
     prompt_ids: list[int]
     output_ids: list[int]  # new tokens exactly as generate() returns them (a final EOS included)
-    finish_reason: str  # "eos" | "length"
+    finish_reason: str  # "eos" | "length" | "repetition" (the engine stopped a loop: engine.batch.loop_watch)
     seconds: float  # wall time of generate() (vision + prefill + decode)
     text: str  # decoded output, special tokens kept, BOS/EOS/PAD removed
     prompt_kind: str = "single"

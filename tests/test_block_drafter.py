@@ -177,6 +177,43 @@ def test_policy_benches_a_missing_drafter_but_never_the_replay_drafter():
     policy.record("replay", 39, 0)
     assert policy.propose([5], 100) == ("replay", [5] * 2, 0)
 
+
+
+def test_policy_backs_off_a_drafter_that_proposes_nothing_and_asks_again_now_and_then():
+    """A host drafter with nothing to propose (a scan) is asked at rounds 1, 2, 4, 8, 16, then every
+    ``MAX_IDLE_BACKOFF + 1`` rounds; a proposal resets it; the replay drafter (sits_out = False) is asked every round."""
+    from engine.drafters.policy import MAX_IDLE_BACKOFF
+    from engine.drafters.suffix_match import ReplayDrafter
+
+    class Quiet:
+        name = "quiet"
+        asked = 0
+        has = False
+
+        def propose(self, committed, k):
+            self.asked += 1
+            return [3] * k if self.has else []
+
+    quiet = Quiet()
+    policy = DraftPolicy([quiet], k_max=4)
+    asked = []
+    for round_ in range(100):
+        before = quiet.asked
+        policy.propose([0], 100)
+        if quiet.asked > before:
+            asked.append(round_)
+    gaps = [b - a for a, b in zip(asked, asked[1:])]
+    assert gaps[:4] == [2, 3, 5, 9] and set(gaps[4:]) == {MAX_IDLE_BACKOFF + 1}
+    quiet.has = True
+    while policy.propose([0], 100)[0] is None:
+        pass
+    assert [policy.propose([0], 100)[0] for _ in range(3)] == ["quiet"] * 3  # proposing again: asked every round
+    replay = ReplayDrafter([5] * 3)
+    policy = DraftPolicy([replay], k_max=8)
+    assert [policy.propose([5] * 10, 100) for _ in range(3)] == [(None, [], 0)] * 3
+    assert policy._sit_out["replay"] == 0
+
+
 def leading_matches_sum_to_tau(record: dict) -> bool:
     """The teacher-forced figures of a block drafter: acceptance by position counts leading matches (a position
     counts only when every earlier one matched: never rising), and tau is their sum (the mean accepted length)."""

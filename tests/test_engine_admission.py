@@ -102,17 +102,21 @@ def test_out_of_memory_admitting_beside_rows_in_flight_shrinks_the_batch(loaded,
     assert [ended[i] for i in range(len(CHUNKS))] == expected
 
 
-def test_out_of_memory_admitting_frees_the_rows_admission_lacks_at_once(loaded, expected):
-    """Admission lacks 2.5 rows' worth of memory (nothing free): three rows go in one shrink, their chunks queued
-    again from the start; a second error takes at least twice as many (so the one row left); every chunk ends once,
-    exact."""
+def test_out_of_memory_admitting_frees_the_rows_admission_lacks_at_once(loaded, expected, monkeypatch):
+    """Admission lacks 2.5 rows' worth of memory (nothing free but what dropped rows give back): three rows go in one
+    shrink, their chunks queued again from the start, and no more once the free memory covers the need; a second
+    error, with a need raised to 3.5 rows, takes the one row more it lacks; every chunk ends once, exact."""
     engine = BatchEngine(loaded, "plain", max_batch=5, admit_tokens=1)
-    engine.admission_need = int(2.5 * engine.kv.bytes_per_row())
+    per_row = engine.kv.bytes_per_row()
+    engine.admission_need = int(2.5 * per_row)
+    monkeypatch.setattr(engine, "free_memory", lambda: (5 - engine.kv.rows) * per_row)  # what the dropped rows held
     fired = []
 
     def hook(requests):
         if engine.active == 4 and not fired or engine.active == 1 and len(fired) == 1:
             fired.append(engine.active)
+            if len(fired) == 2:
+                engine.admission_need = int(3.5 * per_row)
             raise torch.OutOfMemoryError("CUDA out of memory (injected at admission)")
 
     engine.admission_hook = hook
@@ -121,22 +125,25 @@ def test_out_of_memory_admitting_frees_the_rows_admission_lacks_at_once(loaded, 
     first, second = engine.memory_events
     assert (first["rows_before"], first["rows"], first["queued_again"]) == (5, 2, 2)
     assert (second["rows_before"], second["rows"]) == (2, 1)
-    assert "GiB needed" in first["reason"]
+    assert "2.5" not in first["reason"] and "GiB needed" in first["reason"]
     assert engine.row_limit == engine.kv.rows == 1 and engine.kv.keys[0].shape[0] == 1
     assert [ended[i] for i in range(len(CHUNKS))] == expected
 
 
-def test_rows_kept_after_admission_runs_out_of_memory():
-    """The figures of a 16-page stand-in run: 195 rows of 265 MiB, 12.9 GiB needed, 2 GiB free: 42 rows go at once
-    (the old rule took one a time); a repeat takes at least twice as many; no figures: half."""
-    from engine.batch.memory import rows_after_admission_oom
+def test_rows_dropped_after_admission_runs_out_of_memory():
+    """The figures of a 16-page stand-in run: rows of 265 MiB, 12.9 GiB needed, 2 GiB free: 42 rows' worth lacking,
+    43 rows go at once; enough free by the figures: one row still (the figures were short); the size a failed
+    allocation asked for is read from torch's message."""
+    from engine.batch.admission import failed_allocation
+    from engine.batch.memory import rows_to_drop
 
     mib, gib = 2**20, 2**30
-    assert rows_after_admission_oom(195, 265 * mib, int(12.9 * gib), 2 * gib) == 195 - 43
-    assert rows_after_admission_oom(152, 265 * mib, int(12.9 * gib), 11 * gib, freed_last=43) == 152 - 86
-    assert rows_after_admission_oom(10, 265 * mib, gib, 5 * gib) == 9  # enough free by the figures: one row still
-    assert rows_after_admission_oom(3, 265 * mib, 100 * gib, 0) == 1
-    assert rows_after_admission_oom(9, 265 * mib, 0, 0) == 4
+    assert rows_to_drop(265 * mib, int(12.9 * gib), 2 * gib) == 43
+    assert rows_to_drop(265 * mib, gib, 5 * gib) == 1
+    message = "CUDA out of memory. Tried to allocate 3.00 GiB. GPU 0 has a total capacity of 79.18 GiB of which"
+    assert failed_allocation(torch.OutOfMemoryError(message)) == 3 * gib
+    assert failed_allocation(torch.OutOfMemoryError("Tried to allocate 512.00 MiB.")) == 512 * mib
+    assert failed_allocation(torch.OutOfMemoryError("injected")) == 0
 
 
 def test_the_cache_keeps_fewer_rows_with_their_contents_and_frees_the_rest(loaded, monkeypatch):
@@ -263,3 +270,60 @@ def test_waiting_to_fill_vision_calls_changes_no_token(loaded, expected, monkeyp
     at_once, when_at_once = run(0)
     assert waited == at_once == expected
     assert when_waiting != when_at_once
+
+
+def test_the_cache_grows_a_buffer_at_a_time_and_steps_down_by_a_tenth(loaded, monkeypatch):
+    """Growing the prefix region never holds two caches: at any allocation the live buffers are the cache and one
+    new buffer at most. When the grown cache does not fit for every row, the rows step down by about a tenth (not by
+    halves) until it does."""
+    import weakref
+
+    from engine.model.kv_slots import KVSlots
+
+    kv = KVSlots(num_layers=3, num_kv_heads=2, head_dim=8, window=8, max_batch=100, max_width=4, prefix_capacity=128,
+                 dtype=torch.float32, device="cpu")
+    live: list = []
+    real = kv.zeros
+
+    def tracked(shape):
+        held = sum(t.numel() for t in (ref() for ref in live) if t is not None)
+        peak.append(held)
+        buffer = real(shape)
+        live.append(weakref.ref(buffer))
+        return buffer
+
+    before = sum(t.numel() for t in [*kv.keys, *kv.values])
+    live.extend(weakref.ref(t) for t in [*kv.keys, *kv.values])
+    peak: list = []
+    monkeypatch.setattr(kv, "zeros", tracked)
+    kv.ensure_capacity(512)
+    grown = sum(t.numel() for t in [*kv.keys, *kv.values])
+    # at any allocation: the buffers grown so far and those not yet, never both copies of the cache
+    assert grown > before and max(peak) <= grown - grown // 6 + before // 6
+    monkeypatch.setattr(kv, "zeros", lambda shape: (_ for _ in ()).throw(torch.OutOfMemoryError("injected"))
+                        if shape[0] > 81 and shape[1] > kv.ring_size + 512 else real(shape))
+    kv.ensure_capacity(1024)
+    assert kv.rows == 81 and kv.capacity >= 1024  # 100 and 90 rows did not fit: 90% of the rows each time
+    assert all(b.shape[:2] == (81, kv.ring_size + kv.capacity) for b in [*kv.keys, *kv.values])
+
+
+def test_a_closed_engine_holds_no_buffers_and_a_dropped_one_goes_at_once(loaded):
+    """``close`` frees the cache, the step buffers and the queue whoever still holds the engine; an engine nobody
+    holds is freed by reference counting alone (no cycle waits for the garbage collector)."""
+    import gc
+    import weakref
+
+    engine = BatchEngine(loaded, "lossless", max_batch=2)
+    engine.run([engine.prepare(CHUNKS[0], 8)])
+    engine.submit(engine.prepare(CHUNKS[1], 8))
+    engine.close()
+    assert engine.kv.keys == [] and engine.forward.logits is None and not engine.busy and engine.graphs is None
+    other = BatchEngine(loaded, "lossless", max_batch=2)
+    other.run([other.prepare(CHUNKS[0], 8)])
+    gone = weakref.ref(other)
+    gc.disable()
+    try:
+        del other
+        assert gone() is None
+    finally:
+        gc.enable()

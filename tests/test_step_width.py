@@ -127,3 +127,31 @@ def test_calibration_follows_what_wide_steps_commit():
         chooser.observe(ROWS, PREFIX, w, False, costs[w], ROWS, ROWS)
     assert chooser.calibration < 0.2
     assert chooser.choose(ROWS, PREFIX, [flat(0.5)] * ROWS, False) == 1
+
+
+def test_rows_with_nothing_to_draft_stop_drafting_but_for_a_probe_now_and_then():
+    """A scan: no row ever has a draft. The rows draft for the first few steps, then only for a probe every
+    ``PROBE_MIN_GAP`` steps at most (each one counted, so drafting stays off between them), and the host time spent
+    drafting stays within ``PROBE_BUDGET`` of the steps' time."""
+    chooser, step, draft = StepWidth(WIDTHS), 0.019, 0.0023  # 19 ms steps, 2.3 ms of host drafting (148 rows)
+    drafted = []
+    for _ in range(2000):
+        rows_draft = chooser.drafting(ROWS, PREFIX)
+        if rows_draft:
+            assert chooser.choose(ROWS, PREFIX, [[] for _ in range(ROWS)], False) == 1
+        chooser.observe(ROWS, PREFIX, 1, False, step, ROWS, ROWS, draft if rows_draft else None)
+        drafted.append(rows_draft)
+    later = drafted[sw.SKIP_AFTER + 1:]
+    gaps = [i for i, d in enumerate(later) if d]
+    assert len(gaps) >= 10 and min(b - a for a, b in zip(gaps, gaps[1:])) >= sw.PROBE_MIN_GAP
+    assert chooser.probes == len(gaps)
+    assert sum(later) * draft <= sw.PROBE_BUDGET * len(later) * step * 1.05
+
+
+def test_host_drafting_is_paid_for_by_the_tokens_it_buys():
+    """Drafts that would buy 10% more tokens a step do not pay for drafting that costs 20% of a step; drafts that buy
+    twice the tokens do."""
+    chooser = measured({1: 0.010, 2: 0.010, 4: 0.010})
+    chooser.observe(ROWS, PREFIX, 1, False, 0.010, ROWS, ROWS, draft_seconds=0.002)
+    assert chooser.choose(ROWS, PREFIX, [[0.1] + [0.0] * 3] * ROWS, False) == 1
+    assert chooser.choose(ROWS, PREFIX, [[0.9, 0.8, 0.7]] * ROWS, False) == 4

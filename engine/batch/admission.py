@@ -18,11 +18,13 @@ batch: the error is raised, the chunk stays at the front of the queue (the calle
 
 On CUDA each admission group's peak memory above what was allocated before it is measured (when it raises the
 device's peak): ``BatchEngine.admission_peak`` keeps the largest, and ``admission_need`` (the model's estimate,
-`engine.batch.memory.admission_bytes`) grows to it, so that an out-of-memory error frees what admission really took.
+`engine.batch.memory.admission_bytes`) grows to it, and to what a group that failed held plus the allocation it failed
+on, so that an out-of-memory error frees what admission really takes.
 """
 
 from __future__ import annotations
 
+import re
 import time
 
 import torch
@@ -137,7 +139,13 @@ def _admit_group(engine, take: list, free: list[int]) -> list[ChunkResult]:
     if cuda:
         allocated, peak = torch.cuda.memory_allocated(engine.loaded.device), \
             torch.cuda.max_memory_allocated(engine.loaded.device)
-    finished = _admit(engine, take, free)
+    try:
+        finished = _admit(engine, take, free)
+    except torch.OutOfMemoryError as exc:
+        if cuda:  # what the group held when it failed (its tensors are alive in the traceback) and what it asked for
+            need = torch.cuda.memory_allocated(engine.loaded.device) - allocated + failed_allocation(exc)
+            engine.admission_need = max(engine.admission_need, need)
+        raise
     if cuda and torch.cuda.max_memory_allocated(engine.loaded.device) > peak:
         took = torch.cuda.max_memory_allocated(engine.loaded.device) - allocated
         engine.admission_peak = max(engine.admission_peak, took)
@@ -165,11 +173,20 @@ def _admit(engine, take: list, free: list[int]) -> list[ChunkResult]:
         share = vision_s + (time.perf_counter() - t1) / len(group)
         for k, j in enumerate(group):
             row = Row(take[j], rows[k], engine.rules[take[j].kind], engine._drafters_for(take[j], rows[k]),
-                      engine.k_max)
+                      engine.k_max, engine.watch_for_loops())
             if engine.block is not None:
                 engine.block.start(rows[k], features[k])
             row.start(logits[k], prefill_s=share, eos=engine.eos)
+            engine.decoded += 1
             engine.rows[rows[k]] = row
             if row.done(engine.eos):
                 finished.append(engine._finish(row))
     return finished
+
+
+def failed_allocation(exc: BaseException) -> int:
+    """The bytes an out-of-memory error says it tried to allocate (torch's CUDA message), else 0."""
+    found = re.search(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB)", str(exc))
+    if not found:
+        return 0
+    return int(float(found.group(1)) * 1024 ** ["B", "KiB", "MiB", "GiB", "TiB"].index(found.group(2)))

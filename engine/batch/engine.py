@@ -34,7 +34,8 @@ from loguru import logger
 
 from engine.batch.acceptance import accept
 from engine.batch.admission import ADMIT_PAGES, ADMIT_TOKENS, VISION_GROUP, admit
-from engine.batch.memory import admission_bytes, rows_after_admission_oom
+from engine.batch.loop_watch import LOOP_EVERY, LoopWatch
+from engine.batch.memory import admission_bytes, free_bytes, rows_to_drop
 from engine.batch.requests import ChunkRequest, ChunkResult
 from engine.batch.rows import DRAFTERS, MODES, Row, make_drafters
 from engine.batch.step_width import StepWidth
@@ -45,6 +46,8 @@ from engine.model.kv_slots import PREFIX_BUCKETS, KVSlots, bucket, pow2_buckets
 from engine.model.load import LoadedModel
 from engine.ngram_rule import official_rule
 from engine.official import chunk_inputs
+
+TRACE_EVERY = 1.0  # seconds between two points of ``BatchEngine.trace``
 
 
 class BatchEngine:
@@ -57,14 +60,17 @@ class BatchEngine:
     draft its rows want (no `engine.batch.step_width` choice), for tests and for measuring the draft policy alone.
     admit_pages, admit_tokens: the bounds of one admission group and of one turn's admission
     (`engine.batch.admission`). admission_hook(requests): called before each admission group reaches the device
-    (tests inject an out-of-memory error there)."""
+    (tests inject an out-of-memory error there). loop_check(page_ids) -> bool: a page caught looping ends its row at
+    the check point, finish reason ``repetition`` (`engine.batch.loop_watch`; every ``loop_every`` page tokens);
+    None: rows run to EOS or their limit, as ``generate()``."""
 
     def __init__(self, loaded: LoadedModel, mode: str = "lossless", *, max_batch: int = 1, k_max: int = 16,
                  drafters: tuple[str, ...] = DRAFTERS, fast_threshold: float = 0.3, block_net=None,
                  block_beside_copies: bool = False, block_sits_out: bool = True, block_full_k: bool = False,
                  graphs: str | bool = "auto", kernels: str = "torch", moe: str = "auto", attn: str = "auto",
                  linear: str = "auto", prefix_capacity: int = 0, vision_group: int = VISION_GROUP, drafter_factory=None,
-                 adaptive_width: bool = True, admit_pages: int = ADMIT_PAGES, admit_tokens: int = ADMIT_TOKENS):
+                 adaptive_width: bool = True, admit_pages: int = ADMIT_PAGES, admit_tokens: int = ADMIT_TOKENS,
+                 loop_check=None, loop_every: int = LOOP_EVERY):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         if set(drafters) - set(DRAFTERS) or k_max < 1 or max_batch < 1 or not 0.0 < fast_threshold <= 1.0:
@@ -81,6 +87,7 @@ class BatchEngine:
         self.admit_pages, self.admit_tokens = max(1, admit_pages), max(1, admit_tokens)
         self.admit_waited = 0  # turns the next admission group has waited to fill a vision call (`admission`)
         self.admission_hook = lambda requests: None
+        self.loop_check, self.loop_every = loop_check, loop_every
         self.rules = {kind: official_rule(loaded, kind) for kind in ("single", "multi")}
         self.eos = loaded.eos_token_id
         self.strict = frozenset(i for i in (self.eos, loaded.page_sep_id) if i is not None)
@@ -92,21 +99,24 @@ class BatchEngine:
                           device=loaded.device)
         use_block = block_net is not None and mode != "plain" and "block" in drafters
         layers = tuple(block_net.config.layers) if use_block else ()
+        self.widths = [1] if mode == "plain" else pow2_buckets(max_width)
         self.forward = BatchForward(model, self.kv, kernels=kernels, moe=moe, attn=attn, linear=linear,
-                                    capture_layers=layers)
+                                    capture_layers=layers, max_step_width=max(self.widths))
         if graphs == "auto":
             graphs = loaded.device.type == "cuda" and cuda_graphs_available()[0]
-        self.graphs = StepGraphs(self._step_body, loaded.device) if graphs else None
+        # the graphs' body is the forward's, not a method of the engine: no reference cycle keeps a done engine alive
+        self.graphs = StepGraphs(self.forward.step_key, loaded.device) if graphs else None
         self.block = BlockRows(block_net, model.get_input_embeddings(), model.lm_head, max_batch,
                                graphs=bool(graphs)) if use_block else None
         self.vision_group, self.pad_vision = vision_group, kernels == "invariant"
-        self.widths = [1] if mode == "plain" else pow2_buckets(max_width)
         self.row_buckets = pow2_buckets(max_batch)
         self.step_width = StepWidth(self.widths)
         self.max_batch = self.row_limit = max_batch
         self.rows: list[Row | None] = [None] * max_batch
         self.pending: deque[ChunkRequest] = deque()
         self.steps = 0
+        self.decoded = 0  # tokens the rows committed (first tokens at admission included), chunks in flight too
+        self.trace: list[tuple[float, int, int, int]] = []  # (wall clock, steps, decoded, rows) about once a second
         self.width_steps: dict[int, int] = {}  # steps run at each width
         self.timing = {"vision_s": 0.0, "prefill_s": 0.0, "steps_s": 0.0}  # wall time of the engine's work
         self.memory_events: list[dict] = []  # each shrink after out of memory (`_shrink`)
@@ -166,19 +176,24 @@ class BatchEngine:
         return finished
 
     def shrink_for_admission(self, reason: str) -> None:
-        """One chunk ran out of memory at admission beside rows in flight: give admission the memory it lacks by
-        keeping fewer rows (`engine.batch.memory.rows_after_admission_oom`, from the free memory now and
-        ``admission_need``)."""
-        free = 0
-        if self.loaded.device.type == "cuda":
-            driver_free, _ = torch.cuda.mem_get_info(self.loaded.device)
-            free = driver_free + torch.cuda.memory_reserved(self.loaded.device) - \
-                torch.cuda.memory_allocated(self.loaded.device)
-        rows = self.kv.rows
-        freed_last = next((e["rows_before"] - e["rows"] for e in reversed(self.memory_events)
-                           if e["reason"].startswith("out of memory while admitting")), 0)
-        keep = rows_after_admission_oom(rows, self.kv.bytes_per_row(), self.admission_need, free, freed_last)
-        self._shrink(keep, f"{reason}; {self.admission_need / 2**30:.1f} GiB needed, {free / 2**30:.1f} GiB free")
+        """One chunk ran out of memory at admission beside rows in flight: keep fewer rows until the free memory
+        covers what admission needs (``admission_need``: the model's estimate, raised by what admissions measured,
+        the failed one included; `engine.batch.memory`), dropping at once the rows whose memory it lacks. Without
+        figures (``admission_need`` 0: off CUDA) the batch halves."""
+        need = self.admission_need
+        if need <= 0:
+            self._shrink(max(1, self.kv.rows // 2), reason)
+            return
+        while True:
+            free = self.free_memory()
+            keep = max(1, self.kv.rows - rows_to_drop(self.kv.bytes_per_row(), need, free))
+            self._shrink(keep, f"{reason}; {need / 2**30:.1f} GiB needed, {free / 2**30:.1f} GiB free")
+            if self.kv.rows == 1 or self.free_memory() >= need:
+                return
+
+    def free_memory(self) -> int:
+        """Bytes a new allocation can take on the device now (`engine.batch.memory.free_bytes`); 0 off CUDA."""
+        return free_bytes(self.loaded.device) if self.loaded.device.type == "cuda" else 0
 
     def fit_rows(self) -> None:
         """Keep the batch within the rows the key/value cache holds (fewer than ``max_batch`` when memory was short,
@@ -203,6 +218,21 @@ class BatchEngine:
         self.pending.clear()
         return dropped
 
+    def close(self) -> None:
+        """Give the device memory back now: rows and queue dropped, the graphs, the key/value cache, the step buffers
+        and the block drafter's buffers freed, whoever still holds the engine. It cannot step again."""
+        self.reset()
+        if self.graphs is not None:
+            self.graphs.close()
+        if self.block is not None:
+            self.block.close()
+        self.graphs = self.block = None
+        self.kv.release()
+        self.forward.release()
+        self.row_limit = 0
+        if self.loaded.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def _step(self) -> list[ChunkResult]:
         t0 = time.perf_counter()
         live = [r for r in self.rows if r is not None]
@@ -216,6 +246,7 @@ class BatchEngine:
         elif drafting:
             wants = [self._accept_at(row, name, len(d) or k) for row, (name, d, k) in zip(live, plans)]
             w = self.step_width.choose(n, prefix_bucket, wants, any(k for _, _, k in plans))
+        t_plan = time.perf_counter()  # the rows' host drafting, and the width chosen on it
         # every width's columns are staged (positions past the step's width are uncommitted ones)
         index = np.fromiter((r.index for r in live), dtype=np.int64, count=len(live))
         ids, pos, span = self.kv.host_ids, self.kv.host_pos, np.arange(self.kv.max_width)
@@ -243,6 +274,9 @@ class BatchEngine:
         # only host work that grows with the draft); a device (block) draft is known only after the step
         bans = [[row.rule.banned(draft[:i]) for i in range(k + 1 if draft else 1)]
                 for row, (_, draft, _), k in zip(live, plans, ks)]
+        for row in live:  # and the loop watch of what the rows committed so far (`engine.batch.loop_watch`)
+            if row.watch is not None:
+                row.watch.scan(row.output)
         rows = summary.cpu().numpy()  # the one host sync of a step
         finished, counts = [], {}
         for row, (name, _, _), k, row_bans in zip(live, plans, ks, bans):
@@ -261,14 +295,21 @@ class BatchEngine:
             self.block.feed(counts, self.forward.step_features(n, w))
         seconds = time.perf_counter() - t0
         self.timing["steps_s"] += seconds
-        timed = seconds if self._captures() == captures else None  # a step that captured graphs says nothing of cost
-        self.step_width.observe(n, prefix_bucket, w, bool(block_rows.any()), timed, sum(counts.values()), len(live))
+        drafted = t_plan - t0
+        # a step that captured graphs says nothing of cost; drafting is priced apart (`engine.batch.step_width`)
+        timed = seconds - drafted if self._captures() == captures else None
+        self.step_width.observe(n, prefix_bucket, w, bool(block_rows.any()), timed, sum(counts.values()), len(live),
+                                drafted if drafting else None)
         share, draft_share = seconds / len(live), (t_draft - t0) / len(live)
         for row, k in zip(live, ks):
             row.account(share, draft_share, bool(k), len(live))
             if row.done(self.eos):
                 finished.append(self._finish(row))
         self.steps += 1
+        self.decoded += sum(counts.values())
+        now = time.time()
+        if not self.trace or now - self.trace[-1][0] >= TRACE_EVERY:
+            self.trace.append((now, self.steps, self.decoded, len(live)))
         self.width_steps[w] = self.width_steps.get(w, 0) + 1
         return finished
 
@@ -288,9 +329,6 @@ class BatchEngine:
                 self.graphs = None
         return self.forward.step_body(n, w, prefix_bucket)
 
-    def _step_body(self, key: tuple[int, int, int]) -> torch.Tensor:
-        return self.forward.step_body(*key)
-
     def _accept_at(self, row: Row, drafter: str | None, k: int) -> list[float]:
         if drafter is None or not k:
             return []
@@ -307,11 +345,18 @@ class BatchEngine:
     def _finish(self, row: Row) -> ChunkResult:
         self.rows[row.index] = None
         self.kv.close_row(row.index)
+        reason = row.end(self.eos)
         stats = row.stats(mode=self.mode, k_max=self.k_max, cache_bytes=self.kv.bytes_per_row(),
                           ring_slots=self.kv.ring_size, backend="graphs" if self.graphs is not None else "eager",
                           kernels=self.forward.kernels, moe=self.forward.moe)
-        return ChunkResult(row.request, row.output, row.logprobs, "eos" if row.output[-1] == self.eos else "length",
+        return ChunkResult(row.request, row.output, row.logprobs, reason,
                            time.perf_counter() - row.started + row.times["prefill_s"], stats)
+
+    def watch_for_loops(self) -> LoopWatch | None:
+        """A new row's loop watch (`engine.batch.loop_watch`), when the engine stops loops."""
+        if self.loop_check is None:
+            return None
+        return LoopWatch(self.loop_check, self.loop_every, self.loaded.page_sep_id)
 
     def _shrink(self, limit: int, reason: str) -> None:
         """Out of memory: the rows at ``limit`` and above go back to the front of the queue (from their start) and

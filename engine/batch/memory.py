@@ -10,9 +10,12 @@ The rows that fit in the free GPU memory after that reserve, with ``USABLE`` of 
 ``MAX_ROWS``. On the CPU: ``CPU_ROWS`` (batching amortises the weights' reads there too, and more rows only delay
 each chunk).
 
-Sized for the longest chunk (``prefix_len``: e.g. 16 pages), the batch fits whatever chunks come; should the
-estimate still be short, out of memory shrinks the admission group or the batch and loses nothing
-(`engine.batch.admission`, `BatchEngine._shrink`).
+Sized for the longest chunk (``prefix_len``: e.g. 16 pages, bucketed as the cache holds it) and for the mode's own
+steps (plain decoding's are one token wide: a smaller share of the logits and activations), the batch fits whatever
+chunks come; should the estimate still be short, out of memory shrinks the admission group or the batch and loses
+nothing (`engine.batch.admission`, `BatchEngine._shrink`): admission then drops the rows whose memory it lacks, by
+what it measured it needed (its largest group, or the allocation that failed on top of what it held then), and no
+more once the free memory covers that.
 """
 
 from __future__ import annotations
@@ -30,13 +33,20 @@ VISION_BASE = 2 * 2**30  # the vision tower's other working memory (windowed SAM
 USABLE = 0.85  # of the free memory once the reserve is taken
 
 
-def row_bytes(loaded, prefix_len: int, k_max: int) -> int:
+def row_bytes(loaded, prefix_len: int, k_max: int, step_width: int | None = None) -> int:
+    """What one row costs: its key/value cache at ``prefix_len`` prefix slots (bucketed as the cache holds them) and
+    an output ring for ``k_max`` drafts (every mode: the ring is the same, `engine.batch.engine`), and its share of
+    the logits buffer and of the step's activations at the widest step its mode runs (``step_width``: 1 for plain
+    decoding, ``k_max + 1`` by default)."""
+    from engine.model.kv_slots import PREFIX_BUCKETS, bucket
+
     c = loaded.model.config.text_config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     item = torch.tensor([], dtype=loaded.dtype).element_size()
-    width = k_max + 1
-    ring = math.ceil((c.sliding_window + width - 1) / 16) * 16
-    cache = c.num_hidden_layers * 2 * (ring + prefix_len) * c.num_key_value_heads * head_dim * item
+    width = k_max + 1 if step_width is None else step_width
+    ring = math.ceil((c.sliding_window + k_max) / 16) * 16
+    prefix = bucket(prefix_len, PREFIX_BUCKETS)
+    cache = c.num_hidden_layers * 2 * (ring + prefix) * c.num_key_value_heads * head_dim * item
     logits = width * c.vocab_size * (item + 4 + 4)  # the shared buffer, its fp32 copy and the logsumexp temp
     activations = width * (40 * c.hidden_size + c.num_experts_per_tok * 3 * c.moe_intermediate_size) * 4
     return cache + logits + activations
@@ -66,12 +76,21 @@ def admission_bytes(loaded, image_size: int = 1024, vision_group: int = VISION_G
     return pixels + vision_bytes(loaded, vision_group) + PREFILL_TOKENS * per_token
 
 
-def auto_batch(loaded, prefix_len: int, k_max: int) -> int:
-    """Rows for chunks of up to ``prefix_len`` prefix tokens (see the module docstring)."""
+def free_bytes(device) -> int:
+    """Memory a new allocation can take on a CUDA ``device``: the driver's free memory and what torch's allocator
+    holds unused (it hands that out before asking the driver)."""
+    driver_free, _ = torch.cuda.mem_get_info(device)
+    return driver_free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def auto_batch(loaded, prefix_len: int, k_max: int, drafting: bool = True) -> int:
+    """Rows for chunks of up to ``prefix_len`` prefix tokens (see the module docstring); ``drafting`` False: plain
+    decoding, whose steps are one token wide."""
     if loaded.device.type != "cuda":
         return CPU_ROWS
-    free, _ = torch.cuda.mem_get_info(loaded.device)
-    per_row, reserve = row_bytes(loaded, prefix_len, k_max), admission_bytes(loaded)
+    free = free_bytes(loaded.device)
+    per_row = row_bytes(loaded, prefix_len, k_max, None if drafting else 1)
+    reserve = admission_bytes(loaded)
     rows = int(max(0, free - reserve) * USABLE // per_row)
     rows = max(1, min(MAX_ROWS, rows))
     logger.info("max_batch auto: {} rows of {} prefix tokens ({:.0f} MiB each, {:.1f} GiB kept for admission, "
@@ -79,12 +98,6 @@ def auto_batch(loaded, prefix_len: int, k_max: int) -> int:
     return rows
 
 
-def rows_after_admission_oom(rows: int, per_row: int, need: int, free: int, freed_last: int = 0) -> int:
-    """The rows the cache keeps after one chunk ran out of memory at admission beside rows in flight: as many rows
-    go as hold the memory admission lacks (``need`` - ``free`` bytes, ``per_row`` bytes a row), at least twice the
-    rows the previous such error took (``freed_last``: should the figures be short, a few errors end it, not one a
-    row) and at least one; without figures (``need`` 0: not CUDA) half the rows. One row at least stays."""
-    if need <= 0:
-        return max(1, rows // 2)
-    lacking = max(1, math.ceil((need - free) / max(1, per_row)))
-    return max(1, rows - max(lacking, 2 * freed_last))
+def rows_to_drop(per_row: int, need: int, free: int) -> int:
+    """Rows whose memory admission lacks: ``need`` - ``free`` bytes at ``per_row`` bytes a row, at least one."""
+    return max(1, math.ceil((need - free) / max(1, per_row)))

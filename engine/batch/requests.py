@@ -29,6 +29,6 @@ class ChunkResult:
     request: ChunkRequest
     output_ids: list[int]
     logprobs: list[float]  # per output id: log-softmax of the logits before the bans
-    finish_reason: str  # eos | length
+    finish_reason: str  # eos | length | repetition (a loop stopped: `engine.batch.loop_watch`)
     seconds: float  # admission to end (the vision and prefill of its admission included)
     stats: dict[str, Any]

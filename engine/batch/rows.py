@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from engine.batch.acceptance import Accepted
+from engine.batch.loop_watch import LoopWatch
 from engine.drafters.markup import MarkupDrafter
 from engine.drafters.ngram import NgramDrafter
 from engine.drafters.policy import DraftPolicy
@@ -33,14 +34,15 @@ def has_copy_source(names: tuple[str, ...], reference_texts: list[str] | None, r
 
 
 def make_drafters(engine, request, row_index: int) -> list:
-    """The configured drafters that have what they need for this chunk, in priority order. The block drafter
-    serves chunks with nothing to copy (a full copy source alone measured faster) unless block_beside_copies."""
+    """The configured drafters that have what they need for this chunk, in priority order (no reference drafter
+    without a reference text: a scan's pages have none). The block drafter serves chunks with nothing to copy (a full
+    copy source alone measured faster) unless block_beside_copies."""
     from engine.drafters.block_rows import BlockRowDrafter
 
     drafters: list = []
     copies = has_copy_source(engine.drafter_names, request.reference_texts, request.replay_ids)
     for name in engine.drafter_names:
-        if name == "reference" and request.reference_texts:
+        if name == "reference" and any(t.strip() for t in request.reference_texts or []):
             separator = PAGE_SEPARATOR if request.kind == "multi" else None
             drafters.append(ReferenceDrafter(engine.loaded.tokenizer, request.reference_texts, separator))
         elif name == "replay" and request.replay_ids:
@@ -55,8 +57,10 @@ def make_drafters(engine, request, row_index: int) -> list:
 
 
 class Row:
-    def __init__(self, request, index: int, rule: tuple[int, int], drafters: list, k_max: int):
+    def __init__(self, request, index: int, rule: tuple[int, int], drafters: list, k_max: int,
+                 watch: LoopWatch | None = None):
         self.request, self.index = request, index
+        self.watch = watch  # the loop watch (`engine.batch.loop_watch`), when the engine stops loops
         self.prompt_ids = request.prompt_ids
         self.prefix_len = len(self.prompt_ids)
         self.rule = NoRepeatNgramRule(*rule, self.prompt_ids)
@@ -87,7 +91,16 @@ class Row:
         return self.request.max_new_tokens - len(self.output) - 1
 
     def done(self, eos: int) -> bool:
-        return self.output[-1] == eos or len(self.output) >= self.request.max_new_tokens
+        return self.output[-1] == eos or len(self.output) >= self.request.max_new_tokens or \
+            (self.watch is not None and self.watch.stop is not None)
+
+    def end(self, eos: int) -> str:
+        """Close the row's output and say why it ended: a loop found in what it committed (the output cut at the stop,
+        `engine.batch.loop_watch`), else eos or its token limit."""
+        if self.watch is not None and self.watch.scan(self.output) is not None:
+            del self.output[self.watch.stop:], self.logprobs[self.watch.stop:]
+            return "repetition"
+        return "eos" if self.output[-1] == eos else "length"
 
     def plan(self) -> tuple[str | None, list[int], int]:
         """This step's draft: (drafter, host draft, device draft length) from the row's policy."""

@@ -18,14 +18,19 @@ widest (never falling). With only width 1 known, the next width is priced at wid
 looks best, the wider ones wait: exploration climbs from narrow to wide, so where a step's cost grows with its
 width (many rows, short prefixes) no very wide step is ever tried at a loss.
 
-**Choice.** The width with the most expected tokens per second, if it beats plain decoding by ``MARGIN``; else 1.
-Exploration is cheap and periodic:
+**Host drafting.** The rows' drafts are made on the host before the step runs, so a step whose rows draft costs
+their drafting time too (measured per rows bucket: ``draft_cost``), on top of the step's own time (the cost table
+holds the step without it). A wide step must pay for both; plain decoding pays for neither.
+
+**Choice.** The width with the most expected tokens per second (drafting included), if it beats plain decoding by
+``MARGIN``; else 1. Exploration is cheap and periodic:
 - a cell that runs wide steps runs one plain step every ``REFRESH_EVERY`` steps (plain's cost stays current);
 - after ``SKIP_AFTER`` plain steps in a row the rows stop drafting (no host work spent for nothing), but once the
   plain steps since the last probe took ``1 / PROBE_BUDGET`` times what a probe costs beyond a plain step, they draft
   again and the step runs at ``PROBE_WIDTH`` (a probe), and the step after it chooses again on that evidence: a
   drafter switched off by hard pages gets evidence again when easy pages follow, for about ``PROBE_BUDGET`` of the
-  time.
+  time. A probe whose rows had nothing to draft (a scan) is a probe too: it costs its drafting time, and the rows
+  go back to not drafting until the next one.
 Drafting then never makes a batch slower than plain decoding by more than what those few steps cost.
 """
 
@@ -66,7 +71,9 @@ class StepWidth:
         self._plain_run = 0  # plain steps since the last wide step that was not a probe (measuring steps aside)
         self._measuring = False  # this step runs plain to measure it, not because plain won
         self._since_probe = (0, 0.0)  # steps and seconds since the last probe
-        self._probing = False
+        self._probing = False  # this step runs wide as a probe
+        self._probe_drafts = False  # this step's rows draft for a probe (they had stopped drafting)
+        self.draft_cost: dict[int, float] = {}  # rows bucket -> seconds the rows' host drafting takes a step (EMA)
         self._since_plain: dict[tuple[int, int], int] = {}  # cell -> steps since it last ran width 1
         self._expected = 0.0  # extra tokens the last chosen wide step was expected to commit
 
@@ -153,17 +160,21 @@ class StepWidth:
     def drafting(self, rows: int, prefix: int) -> bool:
         """Should the rows draft this step (of ``rows`` at ``prefix``)? Not after ``SKIP_AFTER`` plain steps in a
         row, but for a probe."""
-        return self._plain_run < SKIP_AFTER or self._probe_due(rows, prefix)
+        self._probe_drafts = self._plain_run >= SKIP_AFTER and self._probe_due(rows, prefix)
+        return self._plain_run < SKIP_AFTER or self._probe_drafts
 
     def _probe_due(self, rows: int, prefix: int) -> bool:
         """A probe once the plain steps since the last one took ``1 / PROBE_BUDGET`` times what the probe costs
-        beyond a plain step, and ``PROBE_MIN_GAP`` steps at least."""
+        beyond a plain step (its wider step, where known, and its drafting), and ``PROBE_MIN_GAP`` steps at least."""
         steps, seconds = self._since_probe
         if self._plain_run < SKIP_AFTER or steps < PROBE_MIN_GAP:
             return False
         base = self.cost.get((rows, prefix, 1, False))
+        if base is None:
+            return True
         probe = self.estimate(rows, prefix, PROBE_WIDTH, False)
-        return base is None or probe is None or seconds * PROBE_BUDGET >= probe - base
+        extra = (probe - base if probe is not None else 0.0) + self.draft_cost.get(rows, 0.0)
+        return seconds * PROBE_BUDGET >= extra
 
     def choose(self, rows: int, prefix: int, wants: list[list[float]], block: bool) -> int:
         """The width for a step of ``rows`` (bucket) at ``prefix`` (bucket) whose rows' drafts have these per-position
@@ -185,11 +196,12 @@ class StepWidth:
             chances[i, 1 : 1 + len(p)] = p
         extra = chances.sum(axis=0).cumsum() * self.calibration  # [m]: expected tokens beyond one a row, cut to m
         best, best_rate = 1, MARGIN * len(wants) / base
+        drafting = self.draft_cost.get(rows, 0.0)
         for w in candidates:
             cost = self.estimate(rows, prefix, w, block)
             if cost is None:
                 continue
-            rate = (len(wants) + float(extra[min(w - 1, widest - 1)])) / cost
+            rate = (len(wants) + float(extra[min(w - 1, widest - 1)])) / (cost + drafting)
             if rate > best_rate * 1.0001:
                 best, best_rate = w, rate
         if best == 1 and self._probe_due(rows, prefix):
@@ -202,18 +214,25 @@ class StepWidth:
         return best
 
     def observe(self, rows: int, prefix: int, width: int, block: bool, seconds: float | None,
-                committed: int = 0, n_rows: int = 0) -> None:
-        """A step ran: its width, its wall time (None: not a measure of cost, e.g. it captured graphs), the tokens it
-        committed over its ``n_rows`` rows. The first time of each (rows, prefix, width, block) is dropped."""
+                committed: int = 0, n_rows: int = 0, draft_seconds: float | None = None) -> None:
+        """A step ran: its width, its wall time without the rows' host drafting (None: not a measure of cost, e.g. it
+        captured graphs), the tokens it committed over its ``n_rows`` rows, and the host drafting time when its rows
+        drafted. The first time of each (rows, prefix, width, block) is dropped."""
         cell = (rows, prefix)
+        if draft_seconds is not None:
+            old = self.draft_cost.get(rows)
+            self.draft_cost[rows] = draft_seconds if old is None else (1 - EMA) * old + EMA * draft_seconds
+        probed = self._probing or self._probe_drafts
+        if self._probe_drafts and not self._probing:
+            self.probes += 1  # the rows drafted for a probe and had nothing to verify: they stop drafting again
         if self._probing:  # the next step drafts and chooses again, on the probe's evidence
             self._plain_run = SKIP_AFTER - 1
         elif not self._measuring:
             self._plain_run = self._plain_run + 1 if width == 1 else 0
         self._measuring = False
         steps, spent = self._since_probe
-        self._since_probe = (0, 0.0) if self._probing else (steps + 1, spent + (seconds or 0.0))
-        self._probing = False
+        self._since_probe = (0, 0.0) if probed else (steps + 1, spent + (seconds or 0.0))
+        self._probing = self._probe_drafts = False
         self._since_plain[cell] = 0 if width == 1 else self._since_plain.get(cell, 0) + 1
         if width > 1 and self._expected > 0:
             ratio = (committed - n_rows) / self._expected

@@ -127,6 +127,13 @@ class BlockRows:
             return self.graphs.replay((n, self.mem_capacity))
         return self._body((n, self.mem_capacity))
 
+    def close(self) -> None:
+        """Give the device buffers and graphs back (the engine is done)."""
+        if self.graphs is not None:
+            self.graphs.close()
+        self.graphs, self.kv, self.allowed = None, [], None
+        self.ctx = self.order = self.last = self.out = None
+
     def _body(self, key: tuple[int, int]) -> torch.Tensor:
         n = key[0]
         feats = self.ctx[:n].gather(1, self.order[:n, :, None].expand(-1, -1, self.ctx.shape[2]))

@@ -12,7 +12,10 @@
   asked when a draft at least that long (or as long as its K) is already in hand: it could not win the round.
   Drafters are asked in their configured order, so the cheap copy drafters go before the block network.
 - A drafter whose draft was wholly rejected sits out ``backoff`` rounds (1, 2, 4 .. 16, reset by any
-  acceptance), so an always-wrong drafter costs little more than plain decoding. A drafter that declares
+  acceptance), so an always-wrong drafter costs little more than plain decoding. A host drafter that proposed
+  nothing sits out the same way (1, 2, 4 .. ``MAX_IDLE_BACKOFF`` rounds, reset by any proposal): on a page it has
+  nothing for (a scan: no repeated phrase, no header) it is asked now and then (the probe), not every round, so
+  drafting that never hits costs next to nothing. A drafter that declares
   ``sits_out = False`` never sits out: its proposal costs nothing and it re-aligns itself after a miss (the
   replay drafter of a re-run), and its K already fell to 2, so a wrong draft costs a width-3 verify (sitting it
   out would turn the rounds after the re-run's text re-joins the earlier one into single steps).
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 from engine.drafters import Drafter
 
 MAX_BACKOFF = 16
+MAX_IDLE_BACKOFF = 16
 
 
 @dataclass
@@ -52,6 +56,7 @@ class DraftPolicy:
         self.stats = {d.name: DrafterStats() for d in self.drafters}
         self._sit_out = {d.name: 0 for d in self.drafters}
         self._backoff = {d.name: 1 for d in self.drafters}
+        self._idle_backoff = {d.name: 1 for d in self.drafters}
         self._benched = {d.name: getattr(d, "sits_out", True) for d in self.drafters}
         self._keeps_k = {d.name: getattr(d, "keeps_k", False) for d in self.drafters}
 
@@ -75,9 +80,18 @@ class DraftPolicy:
                     best = (drafter.name, [], min(limit, cap or limit))
                 continue
             draft = drafter.propose(committed_ids, limit)
+            self._idle(drafter.name, bool(draft))
             if len(draft) > longest:
                 best = (drafter.name, draft, 0)
         return best
+
+    def _idle(self, name: str, proposed: bool) -> None:
+        """Back a host drafter off while it proposes nothing (see the module docstring)."""
+        if proposed:
+            self._idle_backoff[name] = 1
+        elif self._benched[name]:
+            self._sit_out[name] = max(self._sit_out[name], self._idle_backoff[name])
+            self._idle_backoff[name] = min(MAX_IDLE_BACKOFF, 2 * self._idle_backoff[name])
 
     def record(self, name: str, proposed: int, accepted: int) -> None:
         stats = self.stats[name]

@@ -22,6 +22,17 @@ from engine.drafters.markup import open_header
 RESUME_WINDOW = 4  # reference: a header closed this recently may resume the text at the reading front
 
 
+def reading_ids(tokenizer, texts: list[str], page_separator: str | None) -> list[int]:
+    """The token ids of page texts as the model writes them: in a multi-page chunk (``page_separator`` given) each
+    page after the separator."""
+    ids: list[int] = []
+    for text in texts:
+        if page_separator is not None:
+            ids += tokenizer(page_separator, add_special_tokens=False)["input_ids"]
+        ids += tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ids
+
+
 class SuffixMatchDrafter:
     name = "suffix_match"
 
@@ -68,11 +79,7 @@ class ReferenceDrafter(SuffixMatchDrafter):
     name = "reference"
 
     def __init__(self, tokenizer, texts: list[str], page_separator: str | None = None, **ngram_sizes):
-        ids: list[int] = []
-        for text in texts:
-            if page_separator is not None:
-                ids += tokenizer(page_separator, add_special_tokens=False)["input_ids"]
-            ids += tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = reading_ids(tokenizer, texts, page_separator)
         super().__init__(ids, start_aligned=False, **ngram_sizes)
         open_id, close_id = (tokenizer.convert_tokens_to_ids(t) for t in ("<|det|>", "<|/det|>"))
         known = all(isinstance(i, int) and i != tokenizer.unk_token_id for i in (open_id, close_id))

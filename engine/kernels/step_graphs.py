@@ -119,5 +119,11 @@ class StepGraphs:
         self.graphs.clear()
         self._recent.clear()
 
+    def close(self) -> None:
+        """Drop every graph and the memory pool they share (the caller is done with them)."""
+        self.clear()
+        self.uses.clear()
+        self.pool = None
+
     def __len__(self) -> int:
         return len(self.graphs)

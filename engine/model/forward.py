@@ -39,7 +39,7 @@ LINEAR_IMPLS = ("auto", "torch", "bmv")  # auto: bmv for fp32 on CUDA (cuBLAS pi
 
 class BatchForward:
     def __init__(self, model, slots: KVSlots, *, kernels: str = "torch", moe: str = "auto", attn: str = "auto",
-                 linear: str = "auto", capture_layers: tuple[int, ...] = ()):
+                 linear: str = "auto", capture_layers: tuple[int, ...] = (), max_step_width: int | None = None):
         self.model = model
         self.text = text = model.model.language_model
         config = text.config
@@ -68,7 +68,7 @@ class BatchForward:
             from engine.kernels.invariant import InvariantKernels
 
             self.invariant = InvariantKernels(model)
-        rows = slots.max_batch * slots.max_width
+        rows = slots.max_batch * (max_step_width or slots.max_width)  # the widest step's tokens
         with torch.inference_mode():
             self._rows = torch.arange(slots.max_batch, device=self.device)
             # shared by every step (graphs write into it): the logits of the last step, and the features it kept
@@ -158,6 +158,14 @@ class BatchForward:
         self._lm_head(self._norm(self.text.norm, hidden).reshape(n * w, -1), out=logits)
         lse = None if self.invariant is None else self.invariant.logsumexp(logits).view(n, w)
         return summarize(logits.view(n, w, self.vocab).float(), ids, lse)
+
+    def step_key(self, key: tuple[int, int, int]) -> torch.Tensor:
+        """``step_body`` of a (rows, width, prefix bucket) key: the body `engine.kernels.step_graphs` captures."""
+        return self.step_body(*key)
+
+    def release(self) -> None:
+        """Give the step buffers' memory back (the engine is done)."""
+        self.logits = self.features = None
 
     def step_logits(self, n: int, w: int) -> torch.Tensor:
         """[n, w, vocab] view of the last step's logits (model dtype)."""

@@ -22,10 +22,13 @@ alike, only the first accepted ones are committed):
 4. Shapes never change while rows are in flight, except when a longer prefix than ``P`` is admitted: then every
    buffer grows (rows copied) and captured graphs are dropped. Memory is constant in output length.
 
-Memory: the key/value buffers hold ``rows <= max_batch`` rows. When ``max_batch`` rows of that capacity do not fit
-(out of memory at construction or when the prefix region grows), ``rows`` halves until they do (one row at least,
-else the error stands); ``keep_rows`` gives back the memory of the rows above a count (the batch shrinks after an
-out-of-memory error elsewhere). The caller keeps its rows below ``rows`` (the rows above lose their cache).
+Memory: the key/value buffers hold ``rows <= max_batch`` rows. They are made, grown and cut buffer by buffer (a
+layer's keys, then its values, ...: a new buffer, the kept contents copied, the old one freed), so a change of shape
+costs one buffer's worth of memory beyond the cache, never a second cache. When ``rows`` rows of a capacity do not fit
+(out of memory at construction or when the prefix region grows), ``rows`` steps down by ``STEP_DOWN`` (about 10%)
+until they do (one row at least, else the error stands); ``keep_rows`` gives back the memory of the rows above a
+count (the batch shrinks after an out-of-memory error elsewhere); ``release`` gives all of it back (the engine is
+done). The caller keeps its rows below ``rows`` (the rows above lose their cache).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import math
 
 import torch
 
+STEP_DOWN = 0.9  # rows kept when a capacity's buffers do not fit
 EMPTY = -(2**62)  # tag of a ring slot never written by the row's current chunk: outside every window
 ALIGN = 16
 # prefix lengths a step graph is kept for: attention reads only the slots up to the bucket
@@ -79,30 +83,47 @@ class KVSlots:
         self._allocate(prefix_capacity)
 
     def _allocate(self, capacity: int) -> None:
-        """Buffers of ``capacity`` prefix slots, the rows kept; as many rows as fit (see the module docstring)."""
+        """Buffers of ``capacity`` prefix slots, the rows' contents kept; as many rows as fit (see the module
+        docstring)."""
         while True:
             try:
-                self._allocate_rows(capacity, self.rows)
-                return
+                self._reshape(capacity)
+                break
             except torch.OutOfMemoryError:
                 if self.rows == 1:
                     raise
-                self.rows //= 2
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
-
-    def _allocate_rows(self, capacity: int, rows: int) -> None:
-        old = (self.keys, self.values, self.capacity)
-        shape = (rows, self.ring_size + capacity, self.num_kv_heads, self.head_dim)
-        # zeros, not empty: masked slots still enter the attention products, and garbage could be NaN
+            # outside the handler, whose traceback holds the buffer that failed
+            self.keep_rows(max(1, min(self.rows - 1, int(self.rows * STEP_DOWN))))
         with torch.inference_mode():
-            keys = [self.zeros(shape) for _ in range(self.num_layers)]
-            values = [self.zeros(shape) for _ in range(self.num_layers)]
-            for new, prev in zip([*keys, *values], [*old[0], *old[1]]):
-                kept = min(rows, prev.shape[0])
-                new[:kept, : self.ring_size + old[2]].copy_(prev[:kept])
             self.prefix_index = torch.arange(capacity, device=self.device)
-        self.keys, self.values, self.capacity = keys, values, capacity
+        self.capacity = capacity
+
+    def _reshape(self, capacity: int) -> None:
+        """Every buffer at ``rows`` x ``ring_size + capacity`` slots, one at a time (those already so are left)."""
+        shape = (self.rows, self.ring_size + capacity, self.num_kv_heads, self.head_dim)
+        with torch.inference_mode():
+            for group in (self.keys, self.values):
+                while len(group) < self.num_layers:
+                    group.append(self.zeros(shape))
+                for i, old in enumerate(group):
+                    if tuple(old.shape) == shape:
+                        continue
+                    # zeros, not empty: masked slots still enter the attention products, and garbage could be NaN
+                    new = self.zeros(shape)
+                    rows, slots = min(shape[0], old.shape[0]), min(shape[1], old.shape[1])
+                    new[:rows, :slots].copy_(old[:rows, :slots])
+                    group[i] = new
+                    del old
+                    self._free_cached()
+
+    def _free_cached(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def release(self) -> None:
+        """Give every buffer's memory back (the engine is done with this cache)."""
+        self.keys, self.values, self.capacity = [], [], 0
+        self._free_cached()
 
     def keep_rows(self, rows: int) -> bool:
         """Hold the first ``rows`` rows only, freeing the others' memory (their contents are dropped); True when the
@@ -123,8 +144,7 @@ class KVSlots:
                     except torch.OutOfMemoryError:
                         pass  # the view stays: right shape, the memory given back by the next call
                     del old
-                    if self.device.type == "cuda":
-                        torch.cuda.empty_cache()
+                    self._free_cached()
         self.rows = rows
         return True
 

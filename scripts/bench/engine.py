@@ -80,22 +80,30 @@ class NullTokenizer:
         return ""
 
 
-def plant_successor_chain(model, reserved: set[int], seed: int, scale: float) -> None:
+def plant_successor_chain(model, reserved: set[int], seed: int, scale: float, cycle: int = 0,
+                          entries: tuple[int, ...] = ()) -> list[int]:
     """Give the random model one wide-margin greedy path: token i is followed by succ(i), a single random cycle
     through the vocabulary (``reserved`` ids left out: EOS, BOS, the image token). The input embeddings are
     scaled by ``scale`` so that the current token's embedding dominates the residual stream, and the LM head row
     of succ(i) is set to the embedding of i: the argmax is succ(i) by a margin bf16 rounding cannot flip. Shapes,
-    kernels and per-token routing are unchanged, so cost is what a random model costs."""
+    kernels and per-token routing are unchanged, so cost is what a random model costs.
+    ``cycle`` > 0 plants a loop instead: a cycle of that many tokens, entered from each of ``entries`` (e.g. the
+    prompt's last token), so that every output repeats the same ``cycle`` tokens over and over. Returns the cycle's
+    tokens in order (the whole vocabulary's without ``cycle``)."""
     emb = model.get_input_embeddings().weight
     vocab = emb.shape[0]
     gen = torch.Generator().manual_seed(seed + 7)
     order = [t for t in torch.randperm(vocab, generator=gen).tolist() if t not in reserved]
+    order = [t for t in order if t not in entries][:cycle] if cycle else order
     src = torch.tensor(order, device=emb.device)
     dst = torch.tensor(order[1:] + order[:1], device=emb.device)
     head = model.lm_head.weight
     head.zero_()
     head[dst] = emb[src]
+    for entry in entries:
+        head[order[0]] += emb[entry]
     emb.mul_(scale)
+    return order
 
 
 def build_model(tiny: bool, device: str, dtype: torch.dtype, seed: int = 0, plant: float = 0.0):
@@ -233,6 +241,7 @@ def run_engine(loaded, chunks, tokens: int, device: str, mode: str, kernels: str
     from engine.batch.engine import BatchEngine
 
     factory = None if drafts is None else (lambda request: [PositionalReplay(drafts[request.key])])
+    free_at_start = round(free_gb(), 2) if device.startswith("cuda") else None
     engine = BatchEngine(loaded, mode, max_batch=max_batch or len(chunks), kernels=kernels, k_max=k_max,
                          drafter_factory=factory, vision_group=vision_group)
     if warm:
@@ -274,14 +283,21 @@ def run_engine(loaded, chunks, tokens: int, device: str, mode: str, kernels: str
            "probes": engine.step_width.probes, "calibration": round(engine.step_width.calibration, 3),
            "rows": engine.max_batch, "row_limit": engine.row_limit, "cache_rows": engine.kv.rows,
            "admit_pages": engine.admit_pages, "admission_peak_gb": round(engine.admission_peak / 2**30, 3),
-           "memory_events": engine.memory_events,
+           "memory_events": engine.memory_events, "free_gb_at_start": free_at_start,
            "backend": "graphs" if engine.graphs is not None else "eager", "kernels": kernels}
     ids = {k: r.output_ids for k, r in results.items()}
     logprobs = {k: r.logprobs for k, r in results.items()}
-    del engine
+    engine.close()  # its memory back at once, whoever holds it
     if device.startswith("cuda"):
-        torch.cuda.empty_cache()
+        row["free_gb_after"] = round(free_gb(), 2)
     return row, ids, logprobs, ends
+
+
+def free_gb() -> float:
+    """GiB a new allocation can take on the GPU now (`engine.batch.memory.free_bytes`)."""
+    from engine.batch.memory import free_bytes
+
+    return free_bytes(torch.device("cuda")) / 2**30
 
 
 def bench(loaded, pages: int, batch: int, args, log) -> dict:

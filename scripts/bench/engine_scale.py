@@ -29,38 +29,46 @@ from pathlib import Path
 
 import torch
 
-from scripts.bench.engine import build_model, chunks_for, corrupt, environment, run_engine
+from scripts.bench.engine import build_model, chunks_for, corrupt, environment, free_gb, run_engine
 
 
-def auto_rows(loaded, pages: int, k_max: int, cap: int | None) -> tuple[int, int]:
-    """(rows auto picks for chunks of ``pages`` pages, their prefix length)."""
+def auto_rows(loaded, pages: int, k_max: int, cap: int | None, drafting: bool = True) -> tuple[int, int]:
+    """(rows auto picks for chunks of ``pages`` pages in a mode that drafts or not, their prefix length)."""
     from engine.batch.memory import auto_batch
     from engine.official import chunk_inputs
 
     prefix = len(chunk_inputs(loaded, chunks_for(1, pages)[0], "single" if pages == 1 else "multi")["input_ids"][0])
-    rows = auto_batch(loaded, prefix, k_max)
+    rows = auto_batch(loaded, prefix, k_max, drafting)
     return (min(rows, cap) if cap else rows), prefix
 
 
 def run_auto(loaded, args, log) -> tuple[dict, dict]:
-    rows, prefix = auto_rows(loaded, args.pages, args.k_max, args.max_rows)
-    log(f"auto: {rows} rows of {args.pages}-page chunks ({prefix} prefix tokens)")
-    chunks = chunks_for(rows, args.pages)
+    """Each mode at its own ``auto`` rows, from the free memory it starts with (the run before gave its own back);
+    the chunks of a lossless run are the first of the plain run's (drafts are that run's outputs)."""
     vocab = loaded.model.config.text_config.vocab_size
-    out, plain_ids = {"rows": rows, "prefix_tokens": prefix, "runs": {}, "errors": {}}, None
+    out, plain_ids = {"runs": {}, "errors": {}}, None
     for name, rate in [("plain", None)] + [(f"lossless-{r}%", r) for r in args.rates]:
         try:
             if rate is not None and plain_ids is None:
                 raise RuntimeError("no plain run to draw the drafts from (it failed above)")
-            drafts = None if rate is None else {k: corrupt(v, rate / 100, vocab, seed=rate + 17 * k)
-                                                for k, v in plain_ids.items()}
+            rows, prefix = auto_rows(loaded, args.pages, args.k_max, args.max_rows, drafting=rate is not None)
+            if rate is not None:
+                rows = min(rows, len(plain_ids))
+            out.setdefault("rows", rows)  # plain's
+            out["prefix_tokens"] = prefix
+            free = free_gb() if args.device == "cuda" else None
+            log(f"{name}: auto {rows} rows of {args.pages}-page chunks ({prefix} prefix tokens), {free} GiB free")
+            chunks = chunks_for(rows, args.pages)
+            drafts = None if rate is None else {k: corrupt(plain_ids[k], rate / 100, vocab, seed=rate + 17 * k)
+                                                for k in range(rows)}
             row, ids, _, ends = run_engine(loaded, chunks, args.tokens, args.device, "plain" if rate is None else
                                            "lossless", args.kernels, drafts, k_max=args.k_max, warm=False)
+            row["auto_rows"] = rows
             row["chunks_ended"], row["ended_twice"] = len(ends), sum(c > 1 for c in ends.values())
             if rate is None:
                 plain_ids = ids
             else:
-                row["equal_to_plain"] = ids == plain_ids
+                row["equal_to_plain"] = ids == {k: plain_ids[k] for k in ids}
                 row["x_plain"] = round(row["tok_s"] / out["runs"]["plain"]["tok_s"], 3)
                 row["x_plain_decoding"] = round(row["decode_tok_s"] / out["runs"]["plain"]["decode_tok_s"], 3)
             out["runs"][name] = row
