@@ -5,7 +5,7 @@ document and page index)."""
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import ColumnElement, func, select, update
 
@@ -34,10 +34,31 @@ def latest_pages(db: Database, doc_id: int | None = None, first: int | None = No
                               .order_by(Page.document_id, Page.page_index)))
 
 
-def earlier_texts(db: Database, doc_id: int, first: int, last: int, chunk_id: int) -> dict[int, str]:
-    """Page index -> the latest text of pages ``first``..``last`` stored by another chunk than ``chunk_id`` (a re-run's
-    reference draft)."""
-    return {p.page_index: p.text for p in latest_pages(db, doc_id, first, last, not_of_chunk=chunk_id)}
+class EarlierReading(NamedTuple):
+    """What the ledger holds of a page's latest earlier decode: the text kept, and the readings behind it (a re-run's
+    drafts): the one made in a multi-page chunk and the one made of the page alone (its chunk had one page, or the
+    repair read it again alone: ``ingest.quality.repair`` keeps both)."""
+
+    text: str
+    in_chunk: str | None
+    alone: str | None
+
+
+def earlier_readings(db: Database, doc_id: int, first: int, last: int, chunk_id: int) -> dict[int, EarlierReading]:
+    """Page index -> the latest earlier reading of pages ``first``..``last`` stored by another chunk than
+    ``chunk_id``."""
+    found = {}
+    for p in latest_pages(db, doc_id, first, last, not_of_chunk=chunk_id):
+        stats = p.stats or {}
+        repair = stats.get("repair") or {}
+        if repair:
+            found[p.page_index] = EarlierReading(p.text, repair.get("chunk", {}).get("text"),
+                                                 repair.get("alone", {}).get("text"))
+        else:
+            a, _, b = str(stats.get("chunk_pages", "")).partition("-")
+            alone = a == b  # a chunk of one page (or no record of its chunk: taken as read alone)
+            found[p.page_index] = EarlierReading(p.text, None if alone else p.text, p.text if alone else None)
+    return found
 
 
 def set_page_stats(db: Database, stats: Mapping[int, dict[str, Any]]) -> None:

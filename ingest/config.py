@@ -88,7 +88,7 @@ class Thresholds:
     neighbour_min_chars: int = 200  # ... only when the neighbours' median has at least this many chars
     loop_min_repeats: int = 3  # a looping tail repeats its unit at least this often
     loop_min_tokens: int = 32  # ... and covers at least this many tokens
-    loop_tail_tokens: int = 200  # or: the last this many tokens (a near-loop under the no-repeat rule) ...
+    loop_tail_tokens: int = 200  # or: the last 1, 2 or 3 times this many tokens (a near-loop under the no-repeat rule)
     loop_tail_distinct: float = 0.5  # ... have Distinct-10 below this
 
 

@@ -42,10 +42,12 @@ def calibrate(settings: Settings, docs: int | None = None, budget_pages: int = 0
         raise ModelUnavailable(f"{model}: no model folder with a config.json to calibrate (model.path)")
     if decoder is None:
         from engine.loading import load_decoder
+        from ingest.quality.measures import loop_stopper
 
         decoder = load_decoder(model, settings.model.device, settings.model.dtype, mode="plain",
                                max_batch=settings.engine.max_batch, max_pages_per_chunk=4,
-                               kernels=settings.engine.kernels)
+                               kernels=settings.engine.kernels,
+                               loop_check=loop_stopper(grading_thresholds(settings).thresholds))
     on_gpu = str(decoder.device).startswith("cuda")
     docs = docs or (DOCS_GPU if on_gpu else DOCS_CPU)
     if docs < 2:

@@ -179,11 +179,12 @@ def decode_ladder(folder: Path, model: str, docs: int, seed0: int = SEED0, devic
     pool = mp.get_context("spawn").Pool(procs, initializer=_render_worker_init)
 
     from engine.loading import load_decoder
-    from ingest.quality.measures import Thresholds
+    from ingest.quality.measures import Thresholds, loop_stopper
     from ingest.worker.outcome import requeue_rule
 
     if decoder is None:
-        decoder = load_decoder(model, device, dtype, mode=mode, max_batch=max_batch, max_pages_per_chunk=4)
+        decoder = load_decoder(model, device, dtype, mode=mode, max_batch=max_batch, max_pages_per_chunk=4,
+                               loop_check=loop_stopper())
     tokenizer = decoder.loaded.tokenizer
     loose = replace(Thresholds(), **LOOSE_INK)
     # documents read earlier whose caught pages still wait for their reading alone (a stop between the two)

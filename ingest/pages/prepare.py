@@ -20,7 +20,7 @@ from typing import Any
 from db.chunks import replay_ids
 from db.documents import get_document, note_file_stamp
 from db.models import Document
-from db.pages import earlier_texts
+from db.pages import EarlierReading, earlier_readings
 from db.queue import Claim
 from ingest.config import OrientationSettings, Settings
 from ingest.errors import InfrastructureError, infrastructure_problem
@@ -38,6 +38,7 @@ class PreparedChunk:
     pages: list[RenderedPage]
     references: list[str]  # per page: its latest earlier text (a re-run), else its PDF text layer
     replay: list[int] | None  # token ids of an earlier decode of exactly these pages
+    earlier: list[EarlierReading | None] = field(default_factory=list)  # per page: its earlier readings (a re-run)
     ink: list[InkMeasures | None] = field(default_factory=list)  # per page, when orientation is on
     prints: list[dict] = field(default_factory=list)  # per page, the print measured on it (pages.ink), as rendered
     turned: dict[int, TurnChoice] = field(default_factory=dict)  # page index -> the turn chosen, for probed pages
@@ -72,7 +73,7 @@ class Located:
     claim: Claim
     label: str
     job: PageJob
-    earlier: dict[int, str]  # page index -> its latest earlier text (a re-run)
+    earlier: dict[int, EarlierReading]  # page index -> its latest earlier reading (a re-run)
     replay: list[int] | None
 
 
@@ -121,7 +122,7 @@ def locate(settings: Settings, db, c: Claim) -> Located | Unreadable:  # noqa: A
         return Unreadable(c, label, why)
     job = PageJob(str(path), doc.kind, c.first_page, c.last_page, settings.watch.max_page_pixels,
                   settings.orientation if settings.orientation.auto else None)
-    return Located(c, label, job, earlier_texts(db, c.document_id, c.first_page, c.last_page, c.chunk_id),
+    return Located(c, label, job, earlier_readings(db, c.document_id, c.first_page, c.last_page, c.chunk_id),
                    replay_ids(db, c))
 
 
@@ -149,9 +150,10 @@ def chunk_ready(found: Located, ready: PagesReady | Unrenderable) -> PreparedChu
     if isinstance(ready, Unrenderable):
         return Unreadable(found.claim, found.label, ready.reason)
     pages = ready.pages
+    earlier = [found.earlier.get(p.index) for p in pages]
     return PreparedChunk(found.claim, found.label, pages,
-                         [found.earlier.get(p.index) or p.text_layer or "" for p in pages], found.replay, ready.ink,
-                         ready.prints, inputs=ready.inputs, probe_inputs=ready.probe_inputs)
+                         [e.text if e else p.text_layer or "" for e, p in zip(earlier, pages)], found.replay,
+                         earlier, ready.ink, ready.prints, inputs=ready.inputs, probe_inputs=ready.probe_inputs)
 
 
 def replaced(db, doc: Document, path: Path) -> str | None:  # noqa: ANN001

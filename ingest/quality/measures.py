@@ -5,10 +5,12 @@
 - ``loop_tail(ids)``: the period and length of a looping tail (the last tokens repeat a unit of ``period``
   tokens at least ``min_repeats`` times and cover at least ``min_tokens``), else None. Under the official
   no-repeat-ngram rule (n=35) an exact loop needs a period beyond the rule's window (a repeated long line);
-  shorter loops are forced into near-loops, which ``looping`` also catches: the last ``tail_tokens`` tokens
-  have Distinct-10 below ``tail_distinct``.
-- ``finish_reason(raw, ids)``: eos / page_separator / context_limit / length as the decoder reported it,
-  but ``repetition`` when a page that ran out of room (context_limit or length) ends in a loop.
+  shorter loops are forced into near-loops, which ``looping`` also catches: the last ``tail_tokens`` tokens, or
+  twice or three times that many (a near-loop of a longer unit: a repeated paragraph in a multi-page chunk, whose
+  rule bans every exact repeat over 1,024 tokens), have Distinct-10 below ``tail_distinct``.
+- ``finish_reason(raw, ids)``: eos / page_separator / context_limit / length / repetition as the decoder reported
+  it (the engine stops a page caught looping while it decodes: ``loop_stopper``), but ``repetition`` when a page that
+  ran out of room (context_limit or length) ends in a loop.
 - ``edit_distance(a, b)`` (Levenshtein, bit-parallel: Hyyrö 2001) and ``normalized_edit_distance``
   (distance / the longer length; 0 = equal, 1 = nothing in common).
 - ``page_quality(...)``: the stats of one page (``ingest.quality.grades`` grades pages on them).
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from rapidfuzz.distance import Levenshtein
@@ -38,8 +40,7 @@ def distinct_n(ids: Sequence[Hashable], n: int) -> float | None:
     total = len(ids) - n + 1
     if total <= 0:
         return None
-    grams = {tuple(ids[i : i + n]) for i in range(total)}
-    return len(grams) / total
+    return len(set(zip(*(ids[i:] for i in range(n))))) / total
 
 
 def loop_tail(ids: Sequence[Hashable], min_repeats: int = 3, min_tokens: int = 32,
@@ -49,7 +50,12 @@ def loop_tail(ids: Sequence[Hashable], min_repeats: int = 3, min_tokens: int = 3
     The tail of length L with period p satisfies ids[i] == ids[i - p] for its last L - p tokens; it is a
     loop when L >= min_repeats * p and L >= min_tokens."""
     n = len(ids)
-    for p in range(1, min(max_period, n // max(min_repeats, 1)) + 1):
+    limit = min(max_period, n // max(min_repeats, 1))
+    periods = range(1, limit + 1)
+    if min_repeats > 1 and limit:  # a period p needs ids[-1] == ids[-1 - p]: only those are walked
+        last = ids[-1]
+        periods = [p for p, t in zip(range(limit, 0, -1), ids[n - 1 - limit : n - 1]) if t == last][::-1]
+    for p in periods:
         run = 0  # trailing positions i with ids[i] == ids[i - p]
         i = n - 1
         while i >= p and ids[i] == ids[i - p]:
@@ -66,10 +72,24 @@ def looping(ids: Sequence[Hashable], thresholds: Thresholds | None = None) -> bo
     t = thresholds or Thresholds()
     if loop_tail(ids, t.loop_min_repeats, t.loop_min_tokens) is not None:
         return True
-    if len(ids) < t.loop_tail_tokens:
-        return False
-    d = distinct_n(ids[-t.loop_tail_tokens:], 10)
-    return d is not None and d < t.loop_tail_distinct
+    for n in (t.loop_tail_tokens, 2 * t.loop_tail_tokens, 3 * t.loop_tail_tokens):
+        if len(ids) < n:
+            return False
+        d = distinct_n(ids[-n:], 10)
+        if d is not None and d < t.loop_tail_distinct:
+            return True
+    return False
+
+
+LOOP_WINDOW = 1536  # tokens the online check looks back over: loops of a period up to a third of it
+
+
+def loop_stopper(thresholds: Thresholds | None = None) -> Callable[[Sequence[Hashable]], bool]:
+    """The repetition rule as the engine asks it while a page decodes (`engine.batch.loop_watch`): ``looping`` over
+    the page's last ``LOOP_WINDOW`` tokens (a bounded cost per check; a loop of a longer period is still found once
+    the page has ended, by ``finish_reason``)."""
+    t = thresholds or Thresholds()
+    return lambda ids: looping(ids[-LOOP_WINDOW:], t)
 
 
 def finish_reason(raw: str, ids: Sequence[Hashable], thresholds: Thresholds | None = None) -> str:

@@ -2,9 +2,10 @@
 new chunks), or, when the decode failed, the chunk split, retried or failed.
 
 Split rules:
-- the output reached the context limit (or ``engine.max_tokens_per_page`` x pages) part-way: the complete pages are
-  kept, the page it was cut on goes back alone (a page that runs away again costs one more decode of itself only,
-  not of its neighbours) and the pages after it as a chunk of their own;
+- the output reached the context limit (or ``engine.max_tokens_per_page`` x pages), or was stopped in a repetition
+  loop (`engine.batch.loop_watch`), part-way: the complete pages are kept, the page it was cut on goes back alone (a
+  page that runs away again costs one more decode of itself only, not of its neighbours) and the pages after it as a
+  chunk of their own;
 - no page came back (no room for the prompt, or no page at all): the chunk is halved;
 - fewer pages came back than went in: the missing ones go back as one chunk;
 - out of memory on a multi-page chunk: split in two (fewer pages need less memory); on one page: failed, as any other
@@ -26,9 +27,11 @@ from ingest.config import Settings
 from ingest.pages.prepare import PreparedChunk, Unreadable
 from ingest.quality.calibration import grading_thresholds
 from ingest.quality.repair import chunk_page_stats, repair_chunk
+from ingest.worker.drafts import alone_replay
 
 WHY_CUT = {"context_limit": "output reached the context limit; ",
-           "length": "output reached engine.max_tokens_per_page x pages; "}
+           "length": "output reached engine.max_tokens_per_page x pages; ",
+           "repetition": "output ran into a repetition loop and was stopped; "}
 
 
 def requeued_ranges(c: Claim, out: ChunkOutput) -> list[tuple[int, int]]:
@@ -58,10 +61,11 @@ def chunk_note(out: ChunkOutput, ranges: list[tuple[int, int]]) -> str | None:
 
 
 def checked_stats(settings: Settings, chunk: PreparedChunk, out: ChunkOutput, tokenizer: Any,
-                  decode_alone: Callable[[list, list[str]], ChunkOutput]) -> list[dict[str, Any]]:
+                  decode_alone: Callable[[list, list[str], list[int] | None], ChunkOutput]) -> list[dict[str, Any]]:
     """Each kept page's stats (ingest.quality.repair: its figures, word confidences, the chunk's checks); the pages
-    caught by the checks are decoded again alone (``decode_alone(images, references)``) and the better reading kept
-    (``quality.repair``, on by default). ``out.pages`` is updated in place."""
+    caught by the checks are decoded again alone (``decode_alone(images, references, replay_ids)``, drafted as
+    `ingest.worker.drafts` says) and the better reading kept (``quality.repair``, on by default). ``out.pages`` is
+    updated in place."""
     t = grading_thresholds(settings).thresholds
     images, layers = [p.image for p in chunk.pages], [p.text_layer for p in chunk.pages]
     first = chunk.pages[0].index if chunk.pages else 1
@@ -69,7 +73,8 @@ def checked_stats(settings: Settings, chunk: PreparedChunk, out: ChunkOutput, to
     stats = chunk_page_stats(out, images, layers, tokenizer, t, first, None if turned else chunk.prints or None)
     if settings.quality.repair:
         def alone(i: int) -> ChunkOutput:
-            return decode_alone([images[i]], [chunk.references[i]])
+            return decode_alone([images[i]], [chunk.references[i]],
+                                alone_replay(chunk, i, out.pages[i].text if i < len(out.pages) else "", tokenizer))
 
         for i in repair_chunk(out, stats, images, layers, alone, tokenizer, t, first):
             if rec := stats[i].get("repair"):

@@ -16,7 +16,7 @@ leases next. Stopping (SIGTERM) claims nothing more, gives back the chunks not y
 as they end and finishes their documents. A worker given ``document_ids`` (``uflash run FILE...``) claims and
 finishes only those documents; a re-run's worker (``fresh_run``) claims only the chunks reserved for its run, with
 the earlier output of the same pages as its draft. ``close()`` (or leaving ``with worker:``) stops the
-page-preparation processes.
+page-preparation processes and gives the decoder's device memory back.
 
 A worker holds no more chunks than the smallest batch limit among them (db.queue: the chunks of a worker that died
 with several in flight are decoded again in smaller groups, and one that died alone is charged an attempt); a claim
@@ -56,7 +56,10 @@ from ingest.pages.inputs import turned_inputs
 from ingest.pages.pool import preparation_pool
 from ingest.pages.prefetch import NotPrepared, Prefetcher, Prepared
 from ingest.pages.prepare import PreparedChunk, Unreadable
+from ingest.quality.calibration import grading_thresholds
+from ingest.quality.measures import loop_stopper
 from ingest.worker import crash_hook
+from ingest.worker.drafts import chunk_replay
 from ingest.worker.finish import Finisher
 from ingest.worker.finish_queue import FinishQueue
 from ingest.worker.inflight import batched, poll_all
@@ -120,9 +123,15 @@ class Worker:
         return self.run.close()
 
     def close(self) -> None:
-        """Stop the page-preparation processes (a later ``serve`` starts them again)."""
+        """Stop the page-preparation processes and give the decoder's device memory back (a later ``serve`` starts
+        them again and loads the model again)."""
         if self.pool is not None:
             self.pool.close()
+        if self._decoder is not None:
+            close = getattr(self._decoder, "close", None)  # a decoder made by a test may have none
+            if close is not None:
+                close()
+            self._decoder = None
 
     def __enter__(self) -> Worker:
         return self
@@ -303,9 +312,11 @@ class Worker:
         cap, limit = self.settings.engine.max_tokens_per_page, self.settings.engine.context_limit
         inputs = turned_inputs(chunk.inputs, chunk.probe_inputs, turned_positions(chunk))
         crash_hook.before_decode(chunk.label, [p.text_layer for p in chunk.pages])  # test-only; unset: nothing
-        return self.decoder().submit(chunk.claim.chunk_id, [p.image for p in chunk.pages], limit,
-                                     cap * len(chunk.pages) if cap else None, reference_texts=chunk.references,
-                                     replay_ids=chunk.replay, inputs=inputs)
+        decoder = self.decoder()
+        tokenizer = getattr(getattr(decoder, "loaded", None), "tokenizer", None)
+        return decoder.submit(chunk.claim.chunk_id, [p.image for p in chunk.pages], limit,
+                              cap * len(chunk.pages) if cap else None, reference_texts=chunk.references,
+                              replay_ids=chunk_replay(chunk, tokenizer), inputs=inputs)
 
     def _probed(self, key: ProbeKey, out: ChunkOutput | BaseException) -> tuple[int, ChunkOutput | BaseException |
                                                                                None]:
@@ -339,7 +350,8 @@ class Worker:
             cap, limit = self.settings.engine.max_tokens_per_page, self.settings.engine.context_limit
             tokenizer = getattr(getattr(decoder, "loaded", None), "tokenizer", None)
             stats = checked_stats(self.settings, chunk, out, tokenizer,
-                                  lambda images, refs: decoder.decode(images, limit, cap, reference_texts=refs))
+                                  lambda images, refs, replay: decoder.decode(images, limit, cap, reference_texts=refs,
+                                                                              replay_ids=replay))
             self.leases.drop(c)  # (a lease taken over meanwhile: the store finds it gone and stores nothing)
             self._store(chunk, out, stats)
         self._unsettled.remove(c)
@@ -382,6 +394,7 @@ def make_worker(settings: Settings, db: Database, **kw: Any) -> Worker:
 
             torch.cuda.set_device(m.device)
         return load_decoder(settings.model_path, m.device, m.dtype, e.mode, e.fast_threshold, max_batch=e.max_batch,
-                            kernels=e.kernels, max_pages_per_chunk=e.max_pages_per_chunk)
+                            kernels=e.kernels, max_pages_per_chunk=e.max_pages_per_chunk,
+                            loop_check=loop_stopper(grading_thresholds(settings).thresholds))
 
     return Worker(settings, db, load, **kw)
