@@ -49,3 +49,17 @@ def test_the_workers_bench_runs_one_and_two_watchers_on_one_ledger(tmp_path, tin
     assert (one["rows_each"], two["rows_each"]) == (2, 1) and len(two["devices"]) == 2
     assert len(two["pages_by_worker"]) == 2, two  # both watchers stored pages
     assert two["x_first"] == round(two["pages_per_hour"] / one["pages_per_hour"], 3)
+
+
+def test_decoded_rates_come_from_the_engines_trace():
+    """Tokens decoded after load from the engine's own trace (chunks in flight counted), the steady window past the
+    first third, pages-equivalent an hour at the stand-in's tokens a page, the rows over time."""
+    from scripts.bench.pipeline import decoded_rates
+
+    start = 1_000.0
+    trace = [[start + 5 + s, 10 * s, 1000 * s, 100] for s in range(0, 31)]  # 1,000 tokens a second from 5 s
+    rates = decoded_rates(trace, start, loaded_s=10.0, tokens_per_page=250)
+    assert rates["decoded_tokens"] == 30_000 and rates["decoded_tok_s_after_load"] == 1000.0
+    assert rates["steady_tok_s"] == 1000.0 and rates["decoded_pages_per_hour_after_load"] == 14_400
+    assert rates["mean_rows_after_load"] == 100 and rates["rows_over_time"][0] == [5.0, 100]
+    assert decoded_rates([], start, 10.0, 250) == {}

@@ -158,7 +158,34 @@ def one_setting(args, documents: list[Path], max_batch: str, mode: str, work: Pa
         row["loaded_s"] = round((loaded - started).total_seconds(), 2)
         row["after_load_pages_per_hour"] = round(3600 * len(stats) / max(1e-9, seconds - row["loaded_s"]), 1)
     row["gpu_busy"] = gpu.busy(row.get("loaded_s"))
+    row.update(decoded_rates((row.get("timeline") or {}).get("engine_trace") or [], started.timestamp(),
+                             row.get("loaded_s"), args.tokens_per_page))
     return row
+
+
+def decoded_rates(trace: list, started: float, loaded_s: float | None, tokens_per_page: int | None) -> dict:
+    """What the engine decoded, from its own trace (`scripts.bench.timeline`: wall clock, steps, tokens, rows about
+    once a second; chunks still in flight counted): tokens a second after the model was loaded, and (with the
+    stand-in's tokens a page) pages-equivalent an hour; tokens a second over the window after the first wave
+    (``steady_*``: from the point where the first chunk admitted could have ended, i.e. after a third of the trace
+    past load); the rows over time."""
+    if not trace:
+        return {}
+    after = [p for p in trace if p[0] >= started + (loaded_s or 0.0)]
+    out: dict = {"decoded_tokens": trace[-1][2],
+                 "rows_over_time": [[round(p[0] - started, 1), p[3]] for p in trace[:: max(1, len(trace) // 40)]]}
+    if len(after) >= 2:
+        seconds = after[-1][0] - after[0][0]  # from the trace's first point after load
+        out["decoded_tok_s_after_load"] = round((after[-1][2] - after[0][2]) / seconds, 1) if seconds > 0 else None
+        third = after[len(after) // 3]
+        steady = after[-1][0] - third[0]
+        if steady > 0:
+            out["steady_tok_s"] = round((after[-1][2] - third[2]) / steady, 1)
+            out["steady_window_s"] = [round(third[0] - started, 1), round(after[-1][0] - started, 1)]
+        out["mean_rows_after_load"] = round(sum(p[3] for p in after) / len(after), 1)
+        if tokens_per_page and out.get("decoded_tok_s_after_load"):
+            out["decoded_pages_per_hour_after_load"] = round(3600 * out["decoded_tok_s_after_load"] / tokens_per_page)
+    return out
 
 
 def environment(device: str) -> dict:
@@ -242,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     standin = (Path(args.model) / "standin.json").is_file()
+    args.tokens_per_page = json.loads((Path(args.model) / "standin.json").read_text()).get("tokens_per_page") \
+        if standin else None
     args.repair = args.repair == "on" or (args.repair == "auto" and not standin)
     work = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
     documents = write_documents(args.docs_dir or work / "docs", args.docs, args.doc_pages, args.seed0, args.scan,

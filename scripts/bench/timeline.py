@@ -6,7 +6,8 @@ Runs ``ingest.commands.cli`` in this process after wrapping the functions that d
 (nothing in ``engine/`` or ``ingest/`` changes; a function that is not there any more is listed under ``missing``;
 the JSON is rewritten every 5 s too, so a run stopped at once keeps the timeline of a moment before):
 imports (ingest's CLI, torch, transformers), intake of the named files, model load (``engine.loading.load_decoder``: weights, engine, buffers),
-graph capture (``StepGraphs.capture``), page preparation (``ingest.pages.prefetch``'s ``prepare`` in its thread, or
+graph capture (``StepGraphs.capture``), the tokens the engines decoded (``engine.decoded``, chunks in flight
+included) and their trace (``engine_trace``: wall clock, steps, tokens, rows, about once a second), page preparation (``ingest.pages.prefetch``'s ``prepare`` in its thread, or
 its ``locate`` there and the page-preparation processes' own time, ``PreparePool.timing``, with the copy of what they
 hand back, ``ingest.pages.pool``'s ``unpack``), orientation probes (``ingest.worker.probes``: starting a chunk's
 probes, and each probe's end; the probes' decoding is in the engine steps), submission (the processor on the caller's
@@ -112,11 +113,14 @@ def _keep_instances(cls, kept: list) -> None:
 
 def report(imports_s: float, missing: list[str]) -> dict:
     wall = time.perf_counter() - T0
-    engine = {"vision_s": 0.0, "prefill_s": 0.0, "steps_s": 0.0, "steps": 0}
+    engine = {"vision_s": 0.0, "prefill_s": 0.0, "steps_s": 0.0, "steps": 0, "decoded": 0}
+    trace = []  # (wall clock, steps, tokens decoded, rows) about once a second, of every engine made
     for e in _engines:
         for key in ("vision_s", "prefill_s", "steps_s"):
             engine[key] += float(getattr(e, "timing", {}).get(key, 0.0))
         engine["steps"] += int(getattr(e, "steps", 0))
+        engine["decoded"] += int(getattr(e, "decoded", 0))
+        trace += [list(point) for point in getattr(e, "trace", [])]
     pools = {"processes": 0, "jobs": 0, "pages": 0, "prepare_s": 0.0, "receive_s": 0.0, "restarts": 0}
     for p in _pools:
         pools["processes"] += p.processes
@@ -125,7 +129,7 @@ def report(imports_s: float, missing: list[str]) -> dict:
     covered = sum(v["main_s"] - v["nested_main_s"] for v in _totals.values())  # each second once
     return {"wall_s": round(wall, 3), "imports_s": round(imports_s, 3),
             "probes": {k: {kk: round(vv, 3) for kk, vv in v.items()} for k, v in _totals.items()},
-            "engine": {k: round(v, 3) for k, v in engine.items()},
+            "engine": {k: round(v, 3) for k, v in engine.items()}, "engine_trace": trace,
             "preparation_processes": {k: round(v, 3) for k, v in pools.items()},
             "main_other_s": round(wall - imports_s - covered, 3), "missing": missing}
 
