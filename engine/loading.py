@@ -22,7 +22,7 @@ def load_decoder(path: str, device: str = "auto", dtype: str = "auto", mode: str
     when it has one (`load_block_drafter`). max_pages_per_chunk: sizes the rows' prefix region up front.
     loop_check(page_ids) -> bool: the engine stops a page caught looping there (`engine.batch.loop_watch`)."""
     from engine.batch.engine import BatchEngine
-    from engine.batch.memory import auto_batch
+    from engine.batch.memory import STEP_TOKENS_PER_ROW, auto_batch
     from engine.batch.rows import MODES
     from engine.model.load import load_model
 
@@ -35,9 +35,10 @@ def load_decoder(path: str, device: str = "auto", dtype: str = "auto", mode: str
         kernels = default_kernels(loaded)
     prefix = prompt_length(loaded, max(1, max_pages_per_chunk)) if max_pages_per_chunk else 0
     net = load_block_drafter(loaded) if mode != "plain" else None
+    extra = {"fast_threshold": fast_threshold} if fast_threshold is not None else {}
     if max_batch == "auto":
         max_batch = auto_batch(loaded, prefix or prompt_length(loaded, 1), K_MAX, drafting=mode != "plain")
-    extra = {"fast_threshold": fast_threshold} if fast_threshold is not None else {}
+        extra["step_tokens"] = max_batch * STEP_TOKENS_PER_ROW  # the steps' buffers auto sized the rows with
     engine = BatchEngine(loaded, mode, max_batch=int(max_batch), k_max=K_MAX, block_net=net, kernels=kernels,
                          prefix_capacity=prefix, loop_check=loop_check, **extra)
     return EngineDecoder(engine)

@@ -13,7 +13,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import pikepdf
 import pytest
 
 # Without CUDA, Triton kernels (engine.kernels.invariant) run under Triton's interpreter; it must be on before
@@ -218,6 +217,7 @@ def wait_until(pred, timeout: float) -> bool:
 
 def assert_pdfa_2b(path: Path) -> None:
     """pikepdf's PDF/A validator approves the file, OCRmyPDF finds its PDF/A-2b claim, every font is embedded."""
+    import pikepdf  # here, not at the top: the engine's tests run where no PDF library is installed (a GPU machine)
     from ocrmypdf.pdfa import file_claims_pdfa
     from pikepdf.pdfa import validate_written
 
@@ -233,8 +233,9 @@ def assert_pdfa_2b(path: Path) -> None:
         assert fonts
 
 
-def pdf_fonts(pdf: pikepdf.Pdf):
+def pdf_fonts(pdf: pikepdf.Pdf):  # noqa: F821 - pikepdf imported where it is used
     """Every simple and CID font the pages draw with, in their forms (OCRmyPDF's text layer is one) too."""
+    import pikepdf
     seen: set = set()
 
     def walk(resources):

@@ -327,3 +327,16 @@ def test_a_closed_engine_holds_no_buffers_and_a_dropped_one_goes_at_once(loaded)
         assert gone() is None
     finally:
         gc.enable()
+
+
+def test_a_step_never_runs_more_tokens_than_its_buffers_hold(loaded, expected):
+    """``step_tokens``: 4 rows of 3-token steps at most (12 tokens): a batch of 4 runs at width 2 at most, of 1 row at
+    width 8 (the step buffers hold 12 tokens); every chunk still equals ``generate()``."""
+    engine = BatchEngine(loaded, "lossless", max_batch=4, k_max=7, adaptive_width=False, step_tokens=12,
+                         drafter_factory=lambda r: [type("Ahead", (), {"name": "ahead",
+                                                                       "propose": lambda self, c, k: [5] * k})()])
+    assert engine.forward.logits.numel() == 12 * engine.forward.vocab
+    assert [engine.widest_at(n) for n in (1, 2, 4)] == [8, 4, 2]
+    ended = run_all(engine)
+    assert max(engine.width_steps) == 8 and [ended[i] for i in range(len(CHUNKS))] == expected
+

@@ -62,7 +62,9 @@ class BatchEngine:
     (`engine.batch.admission`). admission_hook(requests): called before each admission group reaches the device
     (tests inject an out-of-memory error there). loop_check(page_ids) -> bool: a page caught looping ends its row at
     the check point, finish reason ``repetition`` (`engine.batch.loop_watch`; every ``loop_every`` page tokens);
-    None: rows run to EOS or their limit, as ``generate()``."""
+    None: rows run to EOS or their limit, as ``generate()``. step_tokens: the most tokens one step runs over all its
+    rows (its logits and activations are sized by it; a step of many rows then runs narrower: `widest_at`); default:
+    every row at the widest width."""
 
     def __init__(self, loaded: LoadedModel, mode: str = "lossless", *, max_batch: int = 1, k_max: int = 16,
                  drafters: tuple[str, ...] = DRAFTERS, fast_threshold: float = 0.3, block_net=None,
@@ -70,7 +72,7 @@ class BatchEngine:
                  graphs: str | bool = "auto", kernels: str = "torch", moe: str = "auto", attn: str = "auto",
                  linear: str = "auto", prefix_capacity: int = 0, vision_group: int = VISION_GROUP, drafter_factory=None,
                  adaptive_width: bool = True, admit_pages: int = ADMIT_PAGES, admit_tokens: int = ADMIT_TOKENS,
-                 loop_check=None, loop_every: int = LOOP_EVERY):
+                 loop_check=None, loop_every: int = LOOP_EVERY, step_tokens: int | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         if set(drafters) - set(DRAFTERS) or k_max < 1 or max_batch < 1 or not 0.0 < fast_threshold <= 1.0:
@@ -100,8 +102,9 @@ class BatchEngine:
         use_block = block_net is not None and mode != "plain" and "block" in drafters
         layers = tuple(block_net.config.layers) if use_block else ()
         self.widths = [1] if mode == "plain" else pow2_buckets(max_width)
+        self.step_tokens = max(max_batch, max(self.widths), min(max_batch * max(self.widths), step_tokens or 2**62))
         self.forward = BatchForward(model, self.kv, kernels=kernels, moe=moe, attn=attn, linear=linear,
-                                    capture_layers=layers, max_step_width=max(self.widths))
+                                    capture_layers=layers, step_tokens=self.step_tokens)
         if graphs == "auto":
             graphs = loaded.device.type == "cuda" and cuda_graphs_available()[0]
         # the graphs' body is the forward's, not a method of the engine: no reference cycle keeps a done engine alive
@@ -240,11 +243,11 @@ class BatchEngine:
         prefix_bucket = bucket(max(r.prefix_len for r in live), PREFIX_BUCKETS)
         drafting = self.mode != "plain" and (not self.adaptive_width or self.step_width.drafting(n, prefix_bucket))
         plans = [r.plan() if drafting else (None, [], 0) for r in live]
-        w = 1
+        w, widest = 1, self.widest_at(n)
         if drafting and not self.adaptive_width:
-            w = bucket(1 + max(len(d) or k for _, d, k in plans), self.widths)
+            w = min(bucket(1 + max(len(d) or k for _, d, k in plans), self.widths), widest)
         elif drafting:
-            wants = [self._accept_at(row, name, len(d) or k) for row, (name, d, k) in zip(live, plans)]
+            wants = [self._accept_at(row, name, min(len(d) or k, widest - 1)) for row, (name, d, k) in zip(live, plans)]
             w = self.step_width.choose(n, prefix_bucket, wants, any(k for _, _, k in plans))
         t_plan = time.perf_counter()  # the rows' host drafting, and the width chosen on it
         # every width's columns are staged (positions past the step's width are uncommitted ones)
@@ -312,6 +315,10 @@ class BatchEngine:
             self.trace.append((now, self.steps, self.decoded, len(live)))
         self.width_steps[w] = self.width_steps.get(w, 0) + 1
         return finished
+
+    def widest_at(self, n: int) -> int:
+        """The widest step ``n`` rows (a rows bucket) may run within ``step_tokens``."""
+        return max(w for w in self.widths if w * n <= self.step_tokens or w == 1)
 
     def _logits_row(self, n: int, w: int, row: int, i: int) -> torch.Tensor:
         return self.forward.step_logits(n, w)[row, i].float()

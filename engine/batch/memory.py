@@ -28,6 +28,7 @@ from loguru import logger
 from engine.batch.admission import ADMIT_PAGES, PREFILL_TOKENS, VISION_GROUP
 
 MAX_ROWS = 256
+STEP_TOKENS_PER_ROW = 8  # a drafting mode's steps at full rows: 8 tokens a row (wider steps when fewer rows decode)
 CPU_ROWS = 4
 VISION_BASE = 2 * 2**30  # the vision tower's other working memory (windowed SAM layers, CLIP), allocator slack
 USABLE = 0.85  # of the free memory once the reserve is taken
@@ -36,8 +37,9 @@ USABLE = 0.85  # of the free memory once the reserve is taken
 def row_bytes(loaded, prefix_len: int, k_max: int, step_width: int | None = None) -> int:
     """What one row costs: its key/value cache at ``prefix_len`` prefix slots (bucketed as the cache holds them) and
     an output ring for ``k_max`` drafts (every mode: the ring is the same, `engine.batch.engine`), and its share of
-    the logits buffer and of the step's activations at the widest step its mode runs (``step_width``: 1 for plain
-    decoding, ``k_max + 1`` by default)."""
+    the logits buffer and of the step's activations at the tokens a row's step takes at full rows (``step_width``: 1
+    for plain decoding; ``STEP_TOKENS_PER_ROW`` for a drafting mode sized by ``auto_batch``, whose steps then run
+    within that many tokens a row: ``BatchEngine(step_tokens=...)``; ``k_max + 1`` by default)."""
     from engine.model.kv_slots import PREFIX_BUCKETS, bucket
 
     c = loaded.model.config.text_config
@@ -47,7 +49,7 @@ def row_bytes(loaded, prefix_len: int, k_max: int, step_width: int | None = None
     ring = math.ceil((c.sliding_window + k_max) / 16) * 16
     prefix = bucket(prefix_len, PREFIX_BUCKETS)
     cache = c.num_hidden_layers * 2 * (ring + prefix) * c.num_key_value_heads * head_dim * item
-    logits = width * c.vocab_size * (item + 4 + 4)  # the shared buffer, its fp32 copy and the logsumexp temp
+    logits = width * c.vocab_size * (item + 4)  # the shared buffer, and an fp32 row sum where the kernels need one
     activations = width * (40 * c.hidden_size + c.num_experts_per_tok * 3 * c.moe_intermediate_size) * 4
     return cache + logits + activations
 
@@ -84,12 +86,13 @@ def free_bytes(device) -> int:
 
 
 def auto_batch(loaded, prefix_len: int, k_max: int, drafting: bool = True) -> int:
-    """Rows for chunks of up to ``prefix_len`` prefix tokens (see the module docstring); ``drafting`` False: plain
-    decoding, whose steps are one token wide."""
+    """Rows for chunks of up to ``prefix_len`` prefix tokens (see the module docstring); ``drafting``: a mode whose
+    steps take ``STEP_TOKENS_PER_ROW`` tokens a row at full rows (give the engine ``step_tokens`` = rows x that); else
+    plain decoding, whose steps are one token wide."""
     if loaded.device.type != "cuda":
         return CPU_ROWS
     free = free_bytes(loaded.device)
-    per_row = row_bytes(loaded, prefix_len, k_max, None if drafting else 1)
+    per_row = row_bytes(loaded, prefix_len, k_max, STEP_TOKENS_PER_ROW if drafting else 1)
     reserve = admission_bytes(loaded)
     rows = int(max(0, free - reserve) * USABLE // per_row)
     rows = max(1, min(MAX_ROWS, rows))

@@ -39,7 +39,7 @@ LINEAR_IMPLS = ("auto", "torch", "bmv")  # auto: bmv for fp32 on CUDA (cuBLAS pi
 
 class BatchForward:
     def __init__(self, model, slots: KVSlots, *, kernels: str = "torch", moe: str = "auto", attn: str = "auto",
-                 linear: str = "auto", capture_layers: tuple[int, ...] = (), max_step_width: int | None = None):
+                 linear: str = "auto", capture_layers: tuple[int, ...] = (), step_tokens: int | None = None):
         self.model = model
         self.text = text = model.model.language_model
         config = text.config
@@ -68,7 +68,7 @@ class BatchForward:
             from engine.kernels.invariant import InvariantKernels
 
             self.invariant = InvariantKernels(model)
-        rows = slots.max_batch * (max_step_width or slots.max_width)  # the widest step's tokens
+        rows = step_tokens or slots.max_batch * slots.max_width  # the most tokens a step runs
         with torch.inference_mode():
             self._rows = torch.arange(slots.max_batch, device=self.device)
             # shared by every step (graphs write into it): the logits of the last step, and the features it kept
@@ -157,7 +157,7 @@ class BatchForward:
         logits = self.logits[: n * w * self.vocab].view(n * w, self.vocab)
         self._lm_head(self._norm(self.text.norm, hidden).reshape(n * w, -1), out=logits)
         lse = None if self.invariant is None else self.invariant.logsumexp(logits).view(n, w)
-        return summarize(logits.view(n, w, self.vocab).float(), ids, lse)
+        return summarize(logits.view(n, w, self.vocab), ids, lse)
 
     def step_key(self, key: tuple[int, int, int]) -> torch.Tensor:
         """``step_body`` of a (rows, width, prefix bucket) key: the body `engine.kernels.step_graphs` captures."""
@@ -232,10 +232,12 @@ class BatchForward:
 
 
 def summarize(logits: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
-    """[n, w, 5] fp32 per token: argmax, max logit, logsumexp (``lse`` when given), logit of the next staged id,
-    that id (the last column's two entries are meaningless)."""
+    """[n, w, 5] fp32 per token: argmax, max logit, logsumexp (``lse`` when given, else over fp32 logits), logit of the
+    next staged id, that id (the last column's two entries are meaningless). Read from the logits in their own dtype
+    (a max, an index and a lookup are exact in any dtype): no fp32 copy of the step's logits unless ``lse`` is
+    computed here."""
     argmax = logits.argmax(dim=-1)
     following = torch.roll(ids, -1, dims=1)
-    drafted = logits.gather(2, following[..., None])[..., 0]
-    lse = torch.logsumexp(logits, dim=-1) if lse is None else lse
-    return torch.stack([argmax.float(), logits.amax(dim=-1), lse, drafted, following.float()], dim=-1)
+    drafted = logits.gather(2, following[..., None])[..., 0].float()
+    lse = torch.logsumexp(logits.float(), dim=-1) if lse is None else lse
+    return torch.stack([argmax.float(), logits.amax(dim=-1).float(), lse, drafted, following.float()], dim=-1)

@@ -106,8 +106,10 @@ def plant_successor_chain(model, reserved: set[int], seed: int, scale: float, cy
     return order
 
 
-def build_model(tiny: bool, device: str, dtype: torch.dtype, seed: int = 0, plant: float = 0.0):
-    """(LoadedModel, description) of a random-weight model built directly on ``device``."""
+def build_model(tiny: bool, device: str, dtype: torch.dtype, seed: int = 0, plant: float = 0.0, loop: int = 0):
+    """(LoadedModel, description) of a random-weight model built directly on ``device``; ``plant``: a successor chain
+    of that scale (`plant_successor_chain`), ``loop`` > 0: that chain a cycle of ``loop`` tokens entered from the
+    prompts, so that every chunk repeats it for ever."""
     from transformers import UnlimitedOcrConfig, UnlimitedOcrForConditionalGeneration
 
     from engine.model.load import LoadedModel
@@ -131,13 +133,14 @@ def build_model(tiny: bool, device: str, dtype: torch.dtype, seed: int = 0, plan
     model = model.to(device).eval().requires_grad_(False)
     eos = text.eos_token_id if text.eos_token_id is not None else 1
     bos = text.bos_token_id if text.bos_token_id is not None else 0
+    processor = SyntheticProcessor(config.image_token_id, bos, tokens_per_page, image_size, text.vocab_size)
     with torch.no_grad():
         if plant:
-            plant_successor_chain(model, {eos, bos, config.image_token_id}, seed, plant)
+            entries = tuple({ids[-1] for ids in processor.prompts.values()}) if loop else ()
+            plant_successor_chain(model, {eos, bos, config.image_token_id}, seed, plant, cycle=loop, entries=entries)
         model.lm_head.weight[eos].zero_()  # EOS logit exactly 0: never the argmax, runs go to full length
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-    processor = SyntheticProcessor(config.image_token_id, bos, tokens_per_page, image_size, text.vocab_size)
     loaded = LoadedModel(model=model, processor=processor, tokenizer=NullTokenizer(), device=torch.device(device),
                          dtype=dtype, name="tiny-random" if tiny else "full-size-random", path="",
                          image_token_id=config.image_token_id, bos_token_id=bos, eos_token_id=eos,
@@ -146,7 +149,8 @@ def build_model(tiny: bool, device: str, dtype: torch.dtype, seed: int = 0, plan
     desc = {"params": sum(p.numel() for p in model.parameters()), "layers": text.num_hidden_layers,
             "hidden": text.hidden_size, "experts": text.n_routed_experts, "top_k": text.num_experts_per_tok,
             "vocab": text.vocab_size, "window": text.sliding_window, "tokens_per_page": tokens_per_page,
-            "build_s": round(time.perf_counter() - t0, 2), "planted_chain_scale": plant or None}
+            "build_s": round(time.perf_counter() - t0, 2), "planted_chain_scale": plant or None,
+            **({"planted_loop": loop} if loop else {})}
     return loaded, desc
 
 
@@ -234,7 +238,7 @@ def run_generate(loaded, chunks, tokens: int, device: str, warm_tokens: int = 8)
 
 
 def run_engine(loaded, chunks, tokens: int, device: str, mode: str, kernels: str, drafts=None, k_max: int = 16,
-               vision_group: int = 8, warm: bool = True, max_batch: int | None = None):
+               vision_group: int = 8, warm: bool = True, max_batch: int | None = None, step_tokens: int | None = None):
     """One engine run over ``chunks`` (``max_batch`` rows, default one a chunk); ``warm``: a short run of the same
     chunks first (graphs and kernels of these shapes), else the timed run pays its own captures and compilations.
     Returns (its row of figures, output ids by chunk, log-probabilities by chunk, ends by chunk)."""
@@ -243,7 +247,7 @@ def run_engine(loaded, chunks, tokens: int, device: str, mode: str, kernels: str
     factory = None if drafts is None else (lambda request: [PositionalReplay(drafts[request.key])])
     free_at_start = round(free_gb(), 2) if device.startswith("cuda") else None
     engine = BatchEngine(loaded, mode, max_batch=max_batch or len(chunks), kernels=kernels, k_max=k_max,
-                         drafter_factory=factory, vision_group=vision_group)
+                         drafter_factory=factory, vision_group=vision_group, step_tokens=step_tokens)
     if warm:
         engine.run([engine.prepare(c, 8, key=i) for i, c in enumerate(chunks)])
     capture_before = engine.graphs.capture_s if engine.graphs is not None else 0.0
@@ -282,6 +286,7 @@ def run_engine(loaded, chunks, tokens: int, device: str, mode: str, kernels: str
                               if c - width_before.get(w, 0)},
            "probes": engine.step_width.probes, "calibration": round(engine.step_width.calibration, 3),
            "rows": engine.max_batch, "row_limit": engine.row_limit, "cache_rows": engine.kv.rows,
+           "step_tokens": engine.step_tokens,
            "admit_pages": engine.admit_pages, "admission_peak_gb": round(engine.admission_peak / 2**30, 3),
            "memory_events": engine.memory_events, "free_gb_at_start": free_at_start,
            "backend": "graphs" if engine.graphs is not None else "eager", "kernels": kernels}

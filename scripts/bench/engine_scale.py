@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from engine.batch.memory import STEP_TOKENS_PER_ROW
 from scripts.bench.engine import build_model, chunks_for, corrupt, environment, free_gb, run_engine
 
 
@@ -62,7 +63,8 @@ def run_auto(loaded, args, log) -> tuple[dict, dict]:
             drafts = None if rate is None else {k: corrupt(plain_ids[k], rate / 100, vocab, seed=rate + 17 * k)
                                                 for k in range(rows)}
             row, ids, _, ends = run_engine(loaded, chunks, args.tokens, args.device, "plain" if rate is None else
-                                           "lossless", args.kernels, drafts, k_max=args.k_max, warm=False)
+                                           "lossless", args.kernels, drafts, k_max=args.k_max, warm=False,
+                                           step_tokens=None if rate is None else rows * STEP_TOKENS_PER_ROW)
             row["auto_rows"] = rows
             row["chunks_ended"], row["ended_twice"] = len(ends), sum(c > 1 for c in ends.values())
             if rate is None:
