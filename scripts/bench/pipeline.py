@@ -158,8 +158,11 @@ def one_setting(args, documents: list[Path], max_batch: str, mode: str, work: Pa
         row["loaded_s"] = round((loaded - started).total_seconds(), 2)
         row["after_load_pages_per_hour"] = round(3600 * len(stats) / max(1e-9, seconds - row["loaded_s"]), 1)
     row["gpu_busy"] = gpu.busy(row.get("loaded_s"))
-    row.update(decoded_rates((row.get("timeline") or {}).get("engine_trace") or [], started.timestamp(),
-                             row.get("loaded_s"), args.tokens_per_page))
+    timeline = row.get("timeline") or {}
+    row.update(decoded_rates(timeline.get("engine_trace") or [], started.timestamp(), row.get("loaded_s"),
+                             args.tokens_per_page))
+    if "decoded" in timeline.get("engine", {}):  # the engines' own count (the trace's last point may be older)
+        row["decoded_tokens"] = timeline["engine"]["decoded"]
     return row
 
 
