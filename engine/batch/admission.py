@@ -145,11 +145,13 @@ def _admit_group(engine, take: list, free: list[int]) -> list[ChunkResult]:
         if cuda:  # what the group held when it failed (its tensors are alive in the traceback) and what it asked for
             need = torch.cuda.memory_allocated(engine.loaded.device) - allocated + failed_allocation(exc)
             engine.admission_need = max(engine.admission_need, need)
+            engine.admission_measured = max(engine.admission_measured, need)
         raise
     if cuda and torch.cuda.max_memory_allocated(engine.loaded.device) > peak:
         took = torch.cuda.max_memory_allocated(engine.loaded.device) - allocated
         engine.admission_peak = max(engine.admission_peak, took)
         engine.admission_need = max(engine.admission_need, took)
+        engine.admission_measured = max(engine.admission_measured, took)
         logger.debug("admission of {} chunk(s), {} pages took {:.2f} GiB at its peak ({:.2f} GiB allocated before)",
                      len(take), sum(r.n_pages for r in take), took / 2**30, allocated / 2**30)
     return finished

@@ -127,6 +127,7 @@ class BatchEngine:
         # measured (`engine.batch.admission`); 0 off CUDA (no figures: an out-of-memory error halves the batch)
         self.admission_need = admission_bytes(loaded, vision_group=vision_group) if loaded.device.type == "cuda" else 0
         self.admission_peak = 0  # the largest admission measured, bytes above what was allocated before it
+        self.admission_measured = 0  # the most an admission took or asked for (peaks, and failures: held + asked)
         self.fit_rows()
 
     def prepare(self, images: list, max_new_tokens: int, key: Any = None, reference_texts: list[str] | None = None,
@@ -180,10 +181,11 @@ class BatchEngine:
 
     def shrink_for_admission(self, reason: str) -> None:
         """One chunk ran out of memory at admission beside rows in flight: keep fewer rows until the free memory
-        covers what admission needs (``admission_need``: the model's estimate, raised by what admissions measured,
-        the failed one included; `engine.batch.memory`), dropping at once the rows whose memory it lacks. Without
-        figures (``admission_need`` 0: off CUDA) the batch halves."""
-        need = self.admission_need
+        covers what admission needs (what admissions measured, the failed one's held memory and failed allocation
+        included, ``admission_measured``; before any measure the model's estimate, ``admission_need``;
+        `engine.batch.memory`), dropping at once the rows whose memory it lacks. Without figures (off CUDA) the batch
+        halves."""
+        need = self.admission_measured or self.admission_need
         if need <= 0:
             self._shrink(max(1, self.kv.rows // 2), reason)
             return
@@ -381,7 +383,11 @@ class BatchEngine:
         self.row_buckets = pow2_buckets(self.kv.rows)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        self.memory_events.append({"reason": reason, "rows_before": rows_before, "rows": self.kv.rows,
-                                   "queued_again": len(back)})
+        event = {"reason": reason, "rows_before": rows_before, "rows": self.kv.rows, "queued_again": len(back)}
+        if self.loaded.device.type == "cuda":  # where the memory is after the shrink
+            event.update(allocated_gb=round(torch.cuda.memory_allocated(self.loaded.device) / 2**30, 2),
+                         reserved_gb=round(torch.cuda.memory_reserved(self.loaded.device) / 2**30, 2),
+                         driver_free_gb=round(torch.cuda.mem_get_info(self.loaded.device)[0] / 2**30, 2))
+        self.memory_events.append(event)
         logger.warning("{}: batch limited to {} rows (the cache held {}); {} chunk(s) queued again from their start",
                        reason, limit, rows_before, len(back))

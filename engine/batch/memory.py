@@ -79,10 +79,13 @@ def admission_bytes(loaded, image_size: int = 1024, vision_group: int = VISION_G
 
 
 def free_bytes(device) -> int:
-    """Memory a new allocation can take on a CUDA ``device``: the driver's free memory and what torch's allocator
-    holds unused (it hands that out before asking the driver)."""
+    """Memory a large allocation can take on a CUDA ``device``: the driver's free memory once torch's allocator gave
+    back the segments it holds unused. What it keeps unused in segments still partly in use is left out: those pieces
+    cannot serve a request larger than themselves (an admission asks for GiB at once), and counting them made an
+    admission that ran out of memory look covered."""
+    torch.cuda.empty_cache()
     driver_free, _ = torch.cuda.mem_get_info(device)
-    return driver_free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return driver_free
 
 
 def auto_batch(loaded, prefix_len: int, k_max: int, drafting: bool = True) -> int:

@@ -237,10 +237,14 @@ def run_generate(loaded, chunks, tokens: int, device: str, warm_tokens: int = 8)
             "warm_tokens": warm_tokens}
 
 
+WARM_TOKENS = 64  # the untimed run before a timed one: the shapes the width choice explores first are captured there
+
+
 def run_engine(loaded, chunks, tokens: int, device: str, mode: str, kernels: str, drafts=None, k_max: int = 16,
                vision_group: int = 8, warm: bool = True, max_batch: int | None = None, step_tokens: int | None = None):
-    """One engine run over ``chunks`` (``max_batch`` rows, default one a chunk); ``warm``: a short run of the same
-    chunks first (graphs and kernels of these shapes), else the timed run pays its own captures and compilations.
+    """One engine run over ``chunks`` (``max_batch`` rows, default one a chunk); ``warm``: an untimed run of the same
+    chunks first, ``WARM_TOKENS`` tokens each (graphs and kernels of these shapes, the widths the width choice tries
+    first), else the timed run pays its own captures and compilations.
     Returns (its row of figures, output ids by chunk, log-probabilities by chunk, ends by chunk)."""
     from engine.batch.engine import BatchEngine
 
@@ -249,7 +253,7 @@ def run_engine(loaded, chunks, tokens: int, device: str, mode: str, kernels: str
     engine = BatchEngine(loaded, mode, max_batch=max_batch or len(chunks), kernels=kernels, k_max=k_max,
                          drafter_factory=factory, vision_group=vision_group, step_tokens=step_tokens)
     if warm:
-        engine.run([engine.prepare(c, 8, key=i) for i, c in enumerate(chunks)])
+        engine.run([engine.prepare(c, min(WARM_TOKENS, tokens), key=i) for i, c in enumerate(chunks)])
     capture_before = engine.graphs.capture_s if engine.graphs is not None else 0.0
     width_before = dict(engine.width_steps)
     requests = [engine.prepare(c, tokens, key=i) for i, c in enumerate(chunks)]
@@ -285,6 +289,7 @@ def run_engine(loaded, chunks, tokens: int, device: str, mode: str, kernels: str
            "steps_by_width": {str(w): c - width_before.get(w, 0) for w, c in sorted(engine.width_steps.items())
                               if c - width_before.get(w, 0)},
            "probes": engine.step_width.probes, "calibration": round(engine.step_width.calibration, 3),
+           "width_costs_ms": width_costs(engine.step_width.cost),
            "rows": engine.max_batch, "row_limit": engine.row_limit, "cache_rows": engine.kv.rows,
            "step_tokens": engine.step_tokens,
            "admit_pages": engine.admit_pages, "admission_peak_gb": round(engine.admission_peak / 2**30, 3),
@@ -296,6 +301,12 @@ def run_engine(loaded, chunks, tokens: int, device: str, mode: str, kernels: str
     if device.startswith("cuda"):
         row["free_gb_after"] = round(free_gb(), 2)
     return row, ids, logprobs, ends
+
+
+def width_costs(cost: dict) -> dict:
+    """The width choice's measured step costs (ms) at the most rows it ran, by width (``rows x width``)."""
+    top = max((rows for rows, *_ in cost), default=None)
+    return {f"{r}x{w}": round(1000 * c, 3) for (r, _, w, b), c in sorted(cost.items()) if r == top and not b}
 
 
 def free_gb() -> float:
