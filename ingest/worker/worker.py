@@ -45,7 +45,8 @@ from db.queue import Claim, TakenOver, claim, release, room_left
 from db.session import Database
 from engine.chunk_decode import ChunkDecoder
 from engine.chunk_output import ChunkOutput
-from engine.model.load import ModelLoadError, ModelNotFound
+from engine.model.files import ModelNotFound
+from engine.model.load import ModelLoadError
 from ingest.config import Settings
 from ingest.errors import ModelUnavailable, infrastructure_problem
 from ingest.intake.failed import file_failed
@@ -61,6 +62,7 @@ from ingest.worker.finish import Finisher
 from ingest.worker.finish_queue import FinishQueue
 from ingest.worker.inflight import batched, poll_all
 from ingest.worker.lifecycle import RunHandle, take_over_from_the_gone
+from ingest.worker.model_files import model_not_found
 from ingest.worker.outcome import (
     checked_stats,
     chunk_note,
@@ -109,7 +111,9 @@ class Worker:
                 raise e
             try:
                 self._decoder = batched(self.make_decoder())
-            except (ModelNotFound, ModelLoadError) as e:
+            except ModelNotFound as e:
+                raise model_not_found(self.settings, e) from None
+            except ModelLoadError as e:
                 raise ModelUnavailable(str(e)) from None
         return self._decoder
 
