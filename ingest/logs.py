@@ -1,4 +1,4 @@
-"""Logging and progress bars: loguru to the console and to a rotating file in the logs folder.
+"""Logging, progress bars and counted nouns: loguru to the console and to a rotating file in the logs folder.
 Console lines go through ``tqdm.write``, so that a line logged while a progress bar is drawn comes out on a line of
 its own and the bar below it. Quiet (``-q``): warnings and errors only, and no progress bars (``progress_bar`` draws
 nothing; transformers' and the Hugging Face hub's own bars are switched off too).
@@ -37,6 +37,11 @@ def progress_bar(total: int, desc: str, disable: bool = False, **kw: Any) -> tqd
     (``-q``) or ``disable``."""
     return tqdm(total=total, desc=desc, dynamic_ncols=True, file=_console_state["stream"],
                 disable=disable or not _console_state["bars"], **kw)
+
+
+def counted(n: int, noun: str) -> str:
+    """``n`` and the noun, plural unless one: "1 page", "2 pages", "0 chunks"."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _console(message: Any) -> None:

@@ -1,5 +1,5 @@
 """What the console shows (ingest.logs): log lines on lines of their own while a progress bar is drawn, nothing of
-the bars with ``-q``."""
+the bars with ``-q``, counted nouns."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from loguru import logger
 
 from ingest import logs
-from ingest.logs import progress_bar, setup_logging
+from ingest.logs import counted, progress_bar, setup_logging
 
 LOG_LINE = re.compile(r"\d\d:\d\d:\d\d (INFO|SUCCESS|WARNING) ")
 
@@ -73,3 +73,7 @@ def test_quiet_draws_no_progress_bar_and_silences_the_libraries_bars(console):
     assert are_progress_bars_disabled()  # transformers reads this when it is imported ("Loading weights")
     if (loaded := sys.modules.get("transformers.utils.logging")) is not None:
         assert not loaded.is_progress_bar_enabled()
+
+
+def test_counted_nouns():
+    assert [counted(n, "page") for n in (0, 1, 2)] == ["0 pages", "1 page", "2 pages"]

@@ -612,7 +612,7 @@ def test_run_decodes_only_the_named_files_and_each_run_is_its_own(tmp_path, tiny
 
     r = uflash("--config", str(cfg), "run", str(small_pdf), timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "done    small.pdf: 1 pages" in r.stdout
+    assert "done    small.pdf: 1 page -> " in r.stdout
     assert "queued  1 document (3 chunks) more wait in the ledger" in r.stdout, r.stdout
     bars = re.findall(r"(\d+)/(\d+) \[", r.stderr)
     assert bars and bars[-1] == ("1", "1") and all(int(n) <= int(t) for n, t in bars), r.stderr

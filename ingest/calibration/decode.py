@@ -161,7 +161,7 @@ def decode_ladder(folder: Path, model: str, docs: int, seed0: int = SEED0, devic
     ``decoder``: one with ``EngineDecoder``'s submit / poll interface instead of the model's (tests)."""
     from dataclasses import replace
 
-    from ingest.logs import progress_bar
+    from ingest.logs import counted, progress_bar
     from ingest.synth.documents import HELD_OUT_LIMIT
     from ingest.synth.ladder import ladder_rung
 
@@ -231,7 +231,7 @@ def decode_ladder(folder: Path, model: str, docs: int, seed0: int = SEED0, devic
                 stopped = f"time budget of {budget_s:.0f} s reached"
                 break
             if budget_pages and counts["pages"] >= budget_pages:
-                stopped = f"budget of {budget_pages} pages reached"
+                stopped = f"budget of {counted(budget_pages, 'page')} reached"
                 break
             while to_render and decoder.free_rows > len(waiting):
                 if not take(block=not decoder.busy and not waiting):

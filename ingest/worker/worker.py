@@ -53,6 +53,7 @@ from ingest.intake.failed import file_failed
 from ingest.ledger.health import Trouble
 from ingest.ledger.leases import LeaseKeeper, say_whose_leases
 from ingest.ledger.owners import this_process
+from ingest.logs import counted
 from ingest.pages.inputs import turned_inputs
 from ingest.pages.pool import preparation_pool
 from ingest.pages.prefetch import NotPrepared, Prefetcher, Prepared
@@ -364,7 +365,7 @@ class Worker:
             return logger.warning("{}: lease lost before storing; dropping the result", chunk.label)
         self.trouble.ok()
         s = out.chunk_stats
-        logger.info("{}: {} pages, {} tokens in {:.1f}s ({:.1f} tok/s), finish {}{}", chunk.label, len(rows),
+        logger.info("{}: {}, {} tokens in {:.1f}s ({:.1f} tok/s), finish {}{}", chunk.label, counted(len(rows), "page"),
                     s.get("output_tokens", 0), s.get("seconds", 0.0), s.get("tokens_per_second", 0.0),
                     out.finish_reason, f"; {note}" if note else "")
         if self.on_pages:
