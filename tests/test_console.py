@@ -1,5 +1,5 @@
 """What the console shows (ingest.logs): log lines on lines of their own while a progress bar is drawn, nothing of
-the bars with ``-q``, counted nouns."""
+the bars with ``-q``, counted nouns; a diff with nothing to compare."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from loguru import logger
 
 from ingest import logs
+from ingest.commands.rerun import format_diff
 from ingest.logs import counted, progress_bar, setup_logging
 
 LOG_LINE = re.compile(r"\d\d:\d\d:\d\d (INFO|SUCCESS|WARNING) ")
@@ -77,3 +78,11 @@ def test_quiet_draws_no_progress_bar_and_silences_the_libraries_bars(console):
 
 def test_counted_nouns():
     assert [counted(n, "page") for n in (0, 1, 2)] == ["0 pages", "1 page", "2 pages"]
+
+
+def test_a_diff_with_no_page_in_common_says_so_without_a_table():
+    empty = format_diff({"run_a": 1, "run_b": 3, "pages": [], "common_pages": 0, "only_in_a": 2, "only_in_b": 1,
+                         "mean_edit_distance": None, "max_edit_distance": None, "identical_pages": 0})
+    assert empty.splitlines() == [
+        "run 1 vs run 3: 0 pages in both (2 only in 1, 1 only in 3): nothing to compare (a re-run of run 1's pages "
+        "is compared with it; `uflash report --run ID` lists a run's pages)"]
