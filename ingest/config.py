@@ -21,6 +21,8 @@ from ingest.errors import ConfigError
 
 CONFIG_ENV = "UFLASH_CONFIG"
 DEFAULT_CONFIG_NAME = "config.toml"
+# the demo model that ships with uflash, beside its packages: the model when model.path is not set
+BUNDLED_DEMO_MODEL = Path(__file__).resolve().parents[1] / "models" / "demo"
 
 
 class _Section(BaseModel):
@@ -41,7 +43,7 @@ class DatabaseSettings(_Section):
 
 
 class ModelSettings(_Section):
-    path: str = "models/demo"
+    path: str = "models/demo"  # not set (no config file, or the key left out): BUNDLED_DEMO_MODEL
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")  # cuda:N: one worker per GPU
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
@@ -179,7 +181,8 @@ class Settings(BaseSettings):
     def on_device(self, device: str) -> Settings:
         """These settings with ``model.device`` replaced (``--device``), checked as the config file's value is."""
         try:
-            return self.model_copy(update={"model": ModelSettings(**{**self.model.model_dump(), "device": device})})
+            model = ModelSettings(**{**self.model.model_dump(exclude_unset=True), "device": device})
+            return self.model_copy(update={"model": model})
         except ValidationError as e:
             raise ConfigError(f"--device {device!r}: use cpu, cuda or cuda:N ({e.errors()[0]['msg']})") from None
 
@@ -219,12 +222,32 @@ class Settings(BaseSettings):
 
     @property
     def model_path(self) -> str:
-        """model.path as a folder resolved against the config folder, or as given (a hub id)."""
+        """model.path as a folder resolved against the config folder, or as given (a hub id); the bundled demo model
+        when model.path is not set (so a uflash started anywhere without a config file finds it)."""
+        if "path" not in self.model.model_fields_set:
+            return str(BUNDLED_DEMO_MODEL)
         raw = self.model.path
         local = self.resolve(raw)
         first = raw.split("/", 1)[0]
         looks_like_hub_id = raw.count("/") == 1 and not raw.startswith((".", "~", "/")) and "\\" not in raw
         return raw if looks_like_hub_id and not self.resolve(first).exists() else str(local)
+
+    def source(self) -> str:
+        """Where these settings come from, in one line: the config file read, or that none was found (and so where
+        relative paths resolve)."""
+        if self.config_file is not None:
+            return f"config {self.config_file}"
+        return (f"no {DEFAULT_CONFIG_NAME} in {self.config_dir}, no --config, no ${CONFIG_ENV}: built-in defaults, "
+                f"relative paths under {self.config_dir}")
+
+    def origin(self, section: str, key: str) -> str:
+        """Where a key's value comes from: its environment variable, the config file, or the built-in default."""
+        env = f"UFLASH_{section}__{key}".upper()
+        if any(name.upper() == env for name in os.environ):
+            return env
+        if key not in getattr(self, section).model_fields_set:
+            return "not set: the built-in default"
+        return str(self.config_file) if self.config_file is not None else "set by the caller"
 
     def check_folders(self) -> None:
         """Refuse output folders inside the inbox: the watcher would take its own outputs again."""

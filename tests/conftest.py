@@ -29,6 +29,25 @@ HAS_DEMO = all((DEMO / f).is_file() for f in ("config.json", "tokenizer.json", "
 needs_demo = pytest.mark.skipif(not HAS_DEMO, reason="models/demo is not in this checkout")
 
 
+# The quick subset, `python -m pytest -m "not slow"` (README), leaves out these modules: each runs uflash processes end
+# to end, decodes through the whole pipeline or the batched engine, trains, makes PDF/As, or drives a browser (together
+# most of the suite's time).
+SLOW_MODULES = frozenset({
+    "test_archival", "test_batch_engine", "test_batch_worker", "test_bench_pipeline", "test_block_drafter",
+    "test_calibration", "test_crashes", "test_demo_model", "test_engine_admission", "test_engine_exact",
+    "test_exactness_windows", "test_finish_queue", "test_gpu_scripts", "test_grades_ladder", "test_grading",
+    "test_grading_demo", "test_infrastructure", "test_ocrmypdf_plugin", "test_orientation", "test_pdfa",
+    "test_postgres_pipeline", "test_prepare_pool", "test_review", "test_review_page", "test_standin",
+    "test_step_graphs", "test_train_demo", "test_watch", "test_worker",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.stem in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Tiny models gain nothing from threads, and a busy 2-core box makes OpenMP threads spin

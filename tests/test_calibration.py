@@ -147,7 +147,7 @@ def test_uflash_calibrate_on_the_cpu_writes_resumes_and_keeps_to_its_budget(tmp_
     # stops after the first new document and fits on the 3 it has
     assert main(["--config", str(cfg), "calibrate", "--docs", "4", "--budget", "1", "--work", str(work)]) == 0
     runs = read_lines(work / "runs.jsonl")
-    assert runs[-1]["this_run"]["stopped"] == "budget of 1 pages reached" and runs[-1]["this_run"]["documents"] == 1
+    assert runs[-1]["this_run"]["stopped"] == "budget of 1 page reached" and runs[-1]["this_run"]["documents"] == 1
     assert runs[-1]["in_folder"]["documents"] == 3
     again = json.loads((model / FILE_NAME).read_text(encoding="utf-8"))
     assert not again["complete"] and again["documents"] == 3

@@ -225,6 +225,6 @@ def test_a_poison_document_kills_the_worker_until_it_fails_alone_and_the_others_
         chunk = ss.get(Chunk, chunk.id)
     assert (chunk.status, chunk.attempts, chunk.solo_crashes, chunk.batch_limit) == ("queued", 0, 0, 1)
     r = uflash("--config", str(cfg), "run", timeout=600)  # no hook: it is decoded (alone) and done
-    assert r.returncode == 0 and f"done    {poison.name}: 1 pages" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and f"done    {poison.name}: 1 page -> " in r.stdout, r.stdout + r.stderr
     assert (s.archive / poison.name).exists() and not any(s.inbox.iterdir())
     db.dispose()

@@ -217,6 +217,13 @@ def test_no_folder_holds_more_than_fifteen_modules():
     assert not crowded, f"folders above 15 modules: {crowded}"
 
 
+def test_no_module_of_the_packages_above_450_lines():
+    """A module that outgrows 450 lines is split along a seam of its own (ingest/, engine/ and db/)."""
+    long = {str(path.relative_to(ROOT)): n for name, path in module_files().items() if name.split(".")[0] != "scripts"
+            and (n := len(path.read_text(encoding="utf-8").splitlines())) > 450}
+    assert not long, f"modules above 450 lines: {long}"
+
+
 def test_sqlalchemy_only_under_db():
     files = module_files()
     offenders = sorted(name for name, path in files.items() if not name.startswith("db")

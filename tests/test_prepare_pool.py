@@ -28,8 +28,9 @@ from ingest.errors import InfrastructureError
 from ingest.intake.enqueue import intake_file
 from ingest.pages.inputs import model_inputs, turned_inputs
 from ingest.pages.orientation import turn
-from ingest.pages.pool import PreparationDied, PreparePool, _describe, _error, process_count
+from ingest.pages.pool import PreparationDied, PreparePool, process_count
 from ingest.pages.prepare import PageJob, PagesReady, Unrenderable, prepare_pages
+from ingest.pages.prepare_process import describe_error, error_from
 from ingest.worker.worker import Worker
 from tests.conftest import ROOT, make_pdf, text_page, worker_config
 from tests.test_orientation import image_pdf
@@ -153,9 +154,9 @@ def test_a_bad_file_fails_with_the_reason_the_worker_thread_gives(tmp_path, tiny
         assert isinstance(here, Unrenderable) and there == here, (there, here)
     assert "page 1 is 400x300 pixels, over 1000" in got[1].reason
     full = OSError(errno.ENOSPC, "No space left on device", "/outbox/x")
-    back = _error(_describe(full))
+    back = error_from(describe_error(full))
     assert isinstance(back, InfrastructureError) and "No space left on device" in str(back)
-    back = _error(_describe(ValueError("a bug")))
+    back = error_from(describe_error(ValueError("a bug")))
     assert type(back) is ValueError and str(back) == "a bug"
 
 

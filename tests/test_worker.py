@@ -28,9 +28,10 @@ from engine.chunk_output import assemble
 from engine.model.load import load_model
 from engine.official import DecodeResult
 from ingest.config import OrientationSettings, load_settings
+from ingest.errors import ModelUnavailable
 from ingest.intake.enqueue import intake_file
 from ingest.pages.render import render_pages
-from ingest.worker.worker import Worker
+from ingest.worker.worker import Worker, make_worker
 from tests.conftest import ROOT, make_pdf, serve_until, uflash, wait_until, worker_config, write_config
 
 
@@ -249,8 +250,17 @@ def test_missing_and_corrupt_weights_give_readable_reasons(tmp_path, tiny_model_
     r = uflash("--config", str(cfg), "run", str(pdf))
     assert r.returncode == 3, r.stderr
     assert "model not found at" in r.stderr and "model.path" in r.stderr and "Traceback" not in r.stderr
+    assert not Path(s.database_url.removeprefix("sqlite:///")).exists()  # it stopped before taking anything in
+    said = r.stderr.strip().splitlines()[-1].removeprefix("uflash: error: ")
+    # a worker that meets it (`uflash watch` waits for the model): the same line, recorded on the waiting chunk
+    db = Database(s.database_url)
+    intake_file(db, s, pdf)
+    with make_worker(s, db) as worker, pytest.raises(ModelUnavailable) as met:
+        worker.serve(threading.Event(), until=lambda: False)
+    db.dispose()
+    assert str(met.value) == said
     st = uflash("--config", str(cfg), "status").stdout
-    assert "model unavailable: model not found at" in st  # the reason is recorded on the waiting chunk
+    assert "model unavailable: model not found at" in st
     assert pdf.exists(), "the file stays queued until a model is there"
 
     broken = tmp_path / "broken-model"
@@ -602,7 +612,7 @@ def test_run_decodes_only_the_named_files_and_each_run_is_its_own(tmp_path, tiny
 
     r = uflash("--config", str(cfg), "run", str(small_pdf), timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "done    small.pdf: 1 pages" in r.stdout
+    assert "done    small.pdf: 1 page -> " in r.stdout
     assert "queued  1 document (3 chunks) more wait in the ledger" in r.stdout, r.stdout
     bars = re.findall(r"(\d+)/(\d+) \[", r.stderr)
     assert bars and bars[-1] == ("1", "1") and all(int(n) <= int(t) for n, t in bars), r.stderr

@@ -2,7 +2,7 @@
 
 `load_model(path)` accepts a local folder or a hub id that is already in the local Hugging Face cache
 (it never downloads: the workstation runs unattended). Errors are one-line and actionable:
-`ModelNotFound` when there is nothing to load, `ModelLoadError` when what is there is broken.
+`ModelNotFound` (engine.model.files) when there is nothing to load, `ModelLoadError` when what is there is broken.
 """
 
 from __future__ import annotations
@@ -17,15 +17,11 @@ import torch
 from loguru import logger
 
 from engine.kernels.static_moe import make_official_experts_runnable
+from engine.model.files import resolve_path
 
-HUB_ID = "baidu/Unlimited-OCR"
 PAGE_SEPARATOR = "<PAGE>"
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
            "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
-
-
-class ModelNotFound(Exception):
-    """Nothing to load at the configured path (missing folder, config or weights)."""
 
 
 class ModelLoadError(Exception):
@@ -48,36 +44,6 @@ class LoadedModel:
     page_sep_id: int | None  # id of "<PAGE>" when it is a single token, else None
     sliding_window: int
     tokens_per_page: int  # image tokens of one page in base mode (273 for the real model)
-
-
-def _not_found(path: str) -> ModelNotFound:
-    return ModelNotFound(
-        f"model not found at {path}; download it with "
-        f"`huggingface-cli download {HUB_ID} --local-dir {path}` or set model.path in config.toml")
-
-
-def _looks_like_hub_id(path: str) -> bool:
-    parts = path.split("/")
-    return len(parts) == 2 and all(parts) and not path.startswith((".", "~")) and "\\" not in path
-
-
-def resolve_path(path: str) -> Path:
-    """Local folder for `path`: the folder itself, or the cached snapshot of a hub id (no download)."""
-    folder = Path(path).expanduser()
-    if not folder.exists() and _looks_like_hub_id(path):
-        from huggingface_hub import snapshot_download
-
-        try:
-            folder = Path(snapshot_download(path, local_files_only=True))
-        except Exception:  # noqa: BLE001 - any cache miss (or a relative folder like models/demo) is "not found"
-            raise _not_found(path) from None
-    if not folder.is_dir():
-        raise _not_found(path)
-    if not (folder / "config.json").is_file():
-        raise _not_found(path)
-    if not (list(folder.glob("*.safetensors")) or list(folder.glob("pytorch_model*.bin"))):
-        raise _not_found(path)
-    return folder
 
 
 def pick_device_dtype(device: str = "auto", dtype: str = "auto") -> tuple[torch.device, torch.dtype]:

@@ -161,8 +161,7 @@ def decode_ladder(folder: Path, model: str, docs: int, seed0: int = SEED0, devic
     ``decoder``: one with ``EngineDecoder``'s submit / poll interface instead of the model's (tests)."""
     from dataclasses import replace
 
-    from tqdm import tqdm
-
+    from ingest.logs import counted, progress_bar
     from ingest.synth.documents import HELD_OUT_LIMIT
     from ingest.synth.ladder import ladder_rung
 
@@ -191,8 +190,8 @@ def decode_ladder(folder: Path, model: str, docs: int, seed0: int = SEED0, devic
     unfinished = [s for s, d in sorted(done_docs.items())
                   if any(alone_key(s, p) not in done_alone for p in caught_pages(d, page_images(d), tokenizer, loose))]
     done_pages = sum(d["rung"]["pages"] for d in done_docs.values())
-    bar = tqdm(total=done_pages + sum(ladder_rung(s).pages for s in seeds), initial=done_pages, unit="page",
-               desc="ladder", disable=not progress, mininterval=1.0)
+    bar = progress_bar(done_pages + sum(ladder_rung(s).pages for s in seeds), "ladder", initial=done_pages,
+                       unit="page", disable=not progress, mininterval=1.0)
     bar.write(f"{len(done_docs)} documents read earlier ({len(unfinished)} with pages still to read alone), "
               f"{len(seeds)} to read; {procs} render processes; engine {decoder.describe()}")
     rendered = pool.imap_unordered(render_document, unfinished + seeds)
@@ -233,7 +232,7 @@ def decode_ladder(folder: Path, model: str, docs: int, seed0: int = SEED0, devic
                 stopped = f"time budget of {budget_s:.0f} s reached"
                 break
             if budget_pages and counts["pages"] >= budget_pages:
-                stopped = f"budget of {budget_pages} pages reached"
+                stopped = f"budget of {counted(budget_pages, 'page')} reached"
                 break
             while to_render and decoder.free_rows > len(waiting):
                 if not take(block=not decoder.busy and not waiting):

@@ -22,6 +22,7 @@ from ingest.config import Settings
 from ingest.errors import UsageError
 from ingest.files import is_ignored_name
 from ingest.intake.enqueue import Intake, intake_file
+from ingest.logs import counted
 from ingest.worker.lifecycle import serve_run
 
 
@@ -49,10 +50,6 @@ def _expand(paths: list[Path], inbox: Path) -> list[Path]:
     return out
 
 
-def _docs(n: int) -> str:
-    return f"{n} document{'s' if n != 1 else ''}"
-
-
 def run_batch(settings: Settings, db: Database, paths: list[Path], make_worker: Callable,
               stop: threading.Event, report: Callable[[int], None]) -> BatchResult:
     """Take ``paths`` (or the inbox and the ledger's backlog) in, decode their documents in one run, say what became of
@@ -69,7 +66,8 @@ def run_batch(settings: Settings, db: Database, paths: list[Path], make_worker: 
     backlog, backlog_chunks = waiting_documents(db, exclude=doc_ids)
     result = BatchResult()
     if not paths and backlog:  # no PATH: the whole inbox and everything already waiting in the ledger
-        print(f"taking {_docs(len(backlog))} ({backlog_chunks} chunks) already queued in the ledger"
+        print(f"taking {counted(len(backlog), 'document')} ({counted(backlog_chunks, 'chunk')}) already queued in "
+              "the ledger"
               + ("" if files else f" (the inbox {settings.inbox} is empty)"))
         doc_ids += backlog
     if not files and not doc_ids:
@@ -80,7 +78,7 @@ def run_batch(settings: Settings, db: Database, paths: list[Path], make_worker: 
         for d in documents(db, doc_ids):
             if d.status == DocStatus.DONE:
                 result.done += 1
-                print(f"done    {d.original_name}: {d.page_count} pages -> {d.output_dir}")
+                print(f"done    {d.original_name}: {counted(d.page_count, 'page')} -> {d.output_dir}")
             elif d.status == DocStatus.FAILED:
                 result.failed += 1
                 print(f"failed  {d.original_name}: {d.error}")
@@ -92,8 +90,8 @@ def run_batch(settings: Settings, db: Database, paths: list[Path], make_worker: 
             print(f"refused {f.name}: {why} (see {settings.failed})")
         others, other_chunks = waiting_documents(db, exclude=doc_ids)
         if others:
-            print(f"queued  {_docs(len(others))} ({other_chunks} chunks) more wait in the ledger, left alone by this "
-                  f"run: `uflash run` with no files or `uflash watch` processes them")
+            print(f"queued  {counted(len(others), 'document')} ({counted(other_chunks, 'chunk')}) more wait in the "
+                  "ledger, left alone by this run: `uflash run` with no files or `uflash watch` processes them")
         result.interrupted = stop.is_set()
 
     if doc_ids:

@@ -1,7 +1,7 @@
 """``uflash check``: can this machine work with this configuration? It reaches the ledger (and says which server and
 which schema version it holds, without changing anything), looks at every folder (there, or creatable; writable; free
-space) and at the model folder. Run it on each machine that is to work on a shared ledger before starting
-``uflash watch`` there.
+space) and at the model folder, found as ``uflash run`` finds it; it says which config file it read, or that none was
+found. Run it on each machine that is to work on a shared ledger before starting ``uflash watch`` there.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from db.session import SCHEMA_VERSION, LedgerUrlError, masked_url
 from ingest.config import Settings
 from ingest.errors import ConfigError, InfrastructureError, ModelUnavailable, UflashError, infrastructure_problem
 from ingest.quality.calibration import grading_thresholds
+from ingest.worker.model_files import locate_model, model_origin
 
 FOLDERS = ("inbox", "outbox", "archive", "failed", "logs")
 
@@ -57,7 +58,7 @@ def check_ledger(settings: Settings) -> tuple[Check, list[str], list[str]]:
     if version is None:
         schema = f"empty: the first `uflash watch` or `uflash run` creates its tables (schema version {SCHEMA_VERSION})"
     elif version == SCHEMA_VERSION:
-        schema = f"schema version {version}, this uflash's"
+        schema = f"schema version {version}, the one this uflash uses"
     elif version < SCHEMA_VERSION:
         schema = f"schema version {version}: the first start of this uflash migrates it to {SCHEMA_VERSION}"
     else:
@@ -112,17 +113,17 @@ def check_folder(settings: Settings, name: str) -> Check:
 
 
 def check_model(settings: Settings) -> Check:
-    path = settings.model_path
-    local = Path(path)
-    if local.is_dir():
-        if (local / "config.json").is_file():
-            return Check("model", True, f"{path}")
-        return Check("model", False, f"{path}: a folder without config.json: not a model (model.path)",
-                     ModelUnavailable)
-    if local.is_absolute() or local.exists():
-        return Check("model", False, f"{path}: not found (model.path); the worker waits, intake goes on",
-                     ModelUnavailable)
-    return Check("model", True, f"{path}: a hub id; uflash never downloads: it must be in the local cache")
+    """The model's files, found as ``uflash run`` and the worker find them (the same line when they are not there)."""
+    try:
+        folder = locate_model(settings)
+    except ModelUnavailable as e:
+        return Check("model", False, str(e), ModelUnavailable)
+    return Check("model", True, f"{folder} ({model_origin(settings)})")
+
+
+def check_config(settings: Settings) -> Check:
+    """Which config file was read, or that none was found and the built-in defaults hold."""
+    return Check("config", True, settings.source())
 
 
 def check_grades(settings: Settings) -> Check:
@@ -133,7 +134,7 @@ def check_grades(settings: Settings) -> Check:
 def run_checks(settings: Settings) -> dict[str, Any]:
     """Every check, in order, with the owners of the ledger's open runs (a failed check's ``fault`` says what kind of
     failure it is)."""
-    checks = []
+    checks = [check_config(settings)]
     try:
         settings.check_folders()
     except ConfigError as e:

@@ -32,6 +32,7 @@ from ingest.errors import (
 )
 from ingest.ledger.open import missing_ledger, open_existing_ledger, open_ledger, open_ledger_waiting
 from ingest.logs import setup_logging
+from ingest.worker.model_files import locate_model
 
 EXIT_CODES: dict[type[UflashError], ExitCode] = {ConfigError: ExitCode.CONFIG, UsageError: ExitCode.CONFIG,
                                                  ModelUnavailable: ExitCode.MODEL, InputRejected: ExitCode.INPUT,
@@ -274,6 +275,8 @@ def parse_budget(text: str | None) -> tuple[int, float]:
         raise UsageError(f"--budget {text!r}: pages (200) or seconds (600s)") from None
 
 
+DECODING = ("run", "rerun")  # commands that need the model's files before they take anything in (`uflash watch` waits
+# for a missing model: its intake goes on)
 COMMANDS = {"watch": cmd_watch, "run": cmd_run, "status": cmd_status, "report": cmd_report, "rerun": cmd_rerun,
             "diff": cmd_diff, "windows-task": cmd_windows_task, "check": cmd_check, "calibrate": cmd_calibrate,
             "retry": cmd_retry}
@@ -286,9 +289,12 @@ def main(argv: list[str] | None = None) -> int:
         settings = load_settings(args.config)
         if getattr(args, "device", None):
             settings = settings.on_device(args.device)
+        if args.command in DECODING:  # a decode that cannot start leaves nothing behind (no folders, no ledger)
+            locate_model(settings)
         if args.command not in ("status", "report", "diff", "windows-task", "check"):
             settings.ensure_folders("logs")
             setup_logging(settings.logs, args.verbose, args.quiet)
+            logger.info("{}", settings.source())
         code = COMMANDS[args.command](settings, args)
         sys.stdout.flush()  # a closed pipe shows here, inside the handlers, not at interpreter exit
         return int(code)

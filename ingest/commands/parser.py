@@ -46,9 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     rr.add_argument("--pages", metavar="A-B", help="pages in this range (e.g. 3-7)")
     rr.add_argument("--device", help=dev)
 
-    d = sub.add_parser("diff", help="per-page normalized edit distance between the texts of two runs")
-    d.add_argument("run_a", type=int, metavar="RUN_A")
-    d.add_argument("run_b", type=int, metavar="RUN_B")
+    d = sub.add_parser("diff", help="per-page normalized edit distance between the texts of two runs",
+                       description="For each page that both runs decoded: the normalized edit distance between its "
+                                   "two texts (0 = identical), then the mean, the max and the identical pages. A run's "
+                                   "id: the first line of `uflash report`, or the `uflash diff` line that `uflash "
+                                   "rerun` prints.")
+    d.add_argument("run_a", type=int, metavar="RUN_A", help="the earlier run's id (e.g. the first `uflash run`)")
+    d.add_argument("run_b", type=int, metavar="RUN_B", help="the later run's id (e.g. the `uflash rerun` of its pages)")
     d.add_argument("--json", action="store_true", help="print one JSON object")
 
     t = sub.add_parser("windows-task", help="write the Windows Task Scheduler XML that starts `uflash watch` at boot "

@@ -26,6 +26,7 @@ from db.runs import get_run, run_pages
 from db.session import Database
 from ingest.config import Settings
 from ingest.errors import UsageError
+from ingest.logs import counted
 from ingest.quality.measures import normalized_edit_distance
 from ingest.worker.lifecycle import serve_run
 
@@ -161,12 +162,14 @@ def diff_runs(db: Database, run_a: int, run_b: int) -> dict[str, Any]:
 
 
 def format_diff(d: dict[str, Any]) -> str:
-    lines = [f"run {d['run_a']} vs run {d['run_b']}: {d['common_pages']} pages in both "
-             f"({d['only_in_a']} only in {d['run_a']}, {d['only_in_b']} only in {d['run_b']})",
-             f"{'document':<32} {'page':>5} {'edit distance':>14}"]
+    head = (f"run {d['run_a']} vs run {d['run_b']}: {counted(d['common_pages'], 'page')} in both "
+            f"({d['only_in_a']} only in {d['run_a']}, {d['only_in_b']} only in {d['run_b']})")
+    if not d["common_pages"]:
+        return (f"{head}: nothing to compare (a re-run of run {d['run_a']}'s pages is compared with it; "
+                f"`uflash report --run ID` lists a run's pages)")
+    lines = [head, f"{'document':<32} {'page':>5} {'edit distance':>14}"]
     for r in d["pages"]:
         lines.append(f"{(r['document'] or str(r['document_id']))[:32]:<32} {r['page']:>5} {r['edit_distance']:>14.4f}")
-    if d["common_pages"]:
-        lines.append(f"mean {d['mean_edit_distance']:.4f}  max {d['max_edit_distance']:.4f}  "
-                     f"identical {d['identical_pages']}/{d['common_pages']}")
+    lines.append(f"mean {d['mean_edit_distance']:.4f}  max {d['max_edit_distance']:.4f}  "
+                 f"identical {d['identical_pages']}/{d['common_pages']}")
     return "\n".join(lines)

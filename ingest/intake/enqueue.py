@@ -41,6 +41,7 @@ from ingest.intake.chunk_plan import (
 )
 from ingest.intake.failed import unfile
 from ingest.intake.probe import probe_file
+from ingest.logs import counted
 
 
 class Intake(StrEnum):
@@ -186,8 +187,8 @@ def intake_file(db: Database, settings: Settings, path: Path, incomplete_grace_s
     doc_id = create_document(db, _original(path, st), sha, probed.kind, probed.page_count, ranges)
     if doc_id is None:  # another intake process recorded the same content a moment ago (often this very file)
         return _existing(db, settings, path, st, document_by_sha(db, sha))
-    logger.info("queued {} ({} {}, {} pages, {} chunks) as document {}", path.name, probed.kind,
-                _size(st.st_size), probed.page_count, len(ranges), doc_id)
+    logger.info("queued {} ({} {}, {}, {}) as document {}", path.name, probed.kind, _size(st.st_size),
+                counted(probed.page_count, "page"), counted(len(ranges), "chunk"), doc_id)
     return IntakeResult(Intake.DOCUMENT, document_id=doc_id)
 
 

@@ -2,12 +2,12 @@
 worker's GIL, while the worker's thread keeps the GPU busy (ingest.pages.prefetch hands them its chunks).
 
 ``PreparePool(n, model_path)`` starts ``n`` processes the first time it is given a job, with the "spawn" start
-method (nothing of the worker is copied into them; they never touch CUDA). Each loads the model's processor (not the
-model) and runs ``ingest.pages.prepare.prepare_pages`` on the jobs it is sent, one at a time, handing each result
-back through shared memory (ingest.pages.shm). A thread of the worker sends the jobs and collects the results; it
-calls each job's ``done`` with a ``PagesReady``, an ``Unrenderable`` (the file's fault, word for word as in the
-worker's own thread), or an exception: ``InfrastructureError`` (the machine's trouble), ``PreparationDied``,
-``PoolBroken``, or uflash's own error as the process raised it.
+method (nothing of the worker is copied into them; they never touch CUDA). Each (ingest.pages.prepare_process) loads
+the model's processor (not the model) and runs ``ingest.pages.prepare.prepare_pages`` on the jobs it is sent, one at a
+time, handing each result back through shared memory (ingest.pages.shm). A thread of the worker sends the jobs and
+collects the results; it calls each job's ``done`` with a ``PagesReady``, an ``Unrenderable`` (the file's fault, word
+for word as in the worker's own thread), or an exception: ``InfrastructureError`` (the machine's trouble),
+``PreparationDied``, ``PoolBroken``, or uflash's own error as the process raised it.
 
 A process that dies (killed, out of memory, a crash inside a PDF library) is started again and its job prepared once
 more; a job whose process dies twice ends ``PreparationDied`` (its chunk fails with that reason and is tried again
@@ -26,7 +26,6 @@ from __future__ import annotations
 import itertools
 import multiprocessing as mp
 import os
-import pickle
 import signal
 import threading
 import time
@@ -39,9 +38,9 @@ from typing import Any
 from loguru import logger
 
 from ingest.config import Settings
-from ingest.errors import InfrastructureError, infrastructure_problem
-from ingest.pages.prepare import PageJob, prepare_pages
-from ingest.pages.shm import Outbox, discard, unmap_unused, unpack, via_pipe
+from ingest.pages.prepare import PageJob
+from ingest.pages.prepare_process import error_from, serve
+from ingest.pages.shm import discard, unmap_unused, unpack, via_pipe
 
 JOB_SECONDS = 600.0  # a chunk's pages take a second or two: ten minutes means a process stuck in a bad file
 START_FAILURES = 3  # processes in a row that die before they are ready: the pool is broken
@@ -290,7 +289,7 @@ class PreparePool:
             self.timing["pages"] += len(getattr(result, "pages", ()))
             self.timing["jobs"] += 1
         else:
-            result = _error(body)
+            result = error_from(body)
         if kind == "done" and body.block is not None:
             try:
                 p.conn.send(("release", body.block))  # mapped here: the process may let it go
@@ -388,95 +387,3 @@ def _signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return f"signal {number}"
-
-
-def _error(body: tuple) -> BaseException:
-    """The exception a process met, as this process raises it."""
-    kind, detail = body
-    if kind == "infrastructure":
-        return InfrastructureError(detail)
-    if kind == "exception":
-        try:
-            return pickle.loads(detail)
-        except Exception:  # noqa: BLE001
-            pass
-    return RuntimeError(f"page preparation failed: {detail if kind == 'text' else 'an exception'}")
-
-
-def _describe(e: BaseException) -> tuple:
-    if (problem := infrastructure_problem(e)) is not None:
-        return "infrastructure", problem
-    try:
-        data = pickle.dumps(e)
-        pickle.loads(data)
-        return "exception", data
-    except Exception:  # noqa: BLE001 - an exception that does not pickle: its type and text
-        return "text", f"{type(e).__name__}: {e}"
-
-
-# -- a preparation process ------------------------------------------------------------------------------
-def serve(conn: Connection, model_path: str | None, inputs: bool) -> None:
-    """A preparation process: prepare each job sent, until told to leave (None) or its worker is gone."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the worker's to act on
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # never a GPU here, whatever a library asks for
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        os.nice(5)  # the worker's thread feeds the GPU: it goes first
-    except (AttributeError, OSError):
-        pass
-    import torch
-
-    torch.set_num_threads(1)  # one core each: there are as many processes as cores to spare
-    processor, why = None, None
-    if inputs and model_path:
-        from engine.model.load import load_processor
-
-        try:
-            processor = load_processor(model_path)
-        except Exception as e:  # noqa: BLE001 - pages are still rendered; the worker builds the inputs
-            why = f"{type(e).__name__}: {e}"
-    try:
-        conn.send(("ready", os.getpid(), processor is not None, why))
-    except OSError:
-        _leave()
-    outbox = Outbox()
-    try:
-        while True:
-            try:
-                msg = conn.recv()
-            except (EOFError, OSError):  # the worker is gone
-                return
-            if msg is None:
-                return
-            if msg[0] == "release":  # the worker has mapped that block
-                outbox.release(msg[1])
-                continue
-            _, job_id, job = msg
-            try:
-                ready = prepare_pages(job, processor)
-                cpu0 = time.thread_time()
-                packed = outbox.pack(ready)
-                reply = ("done", job_id, packed, time.thread_time() - cpu0)
-            except Exception as e:  # noqa: BLE001 - handed to the worker, which decides what it means
-                reply = ("error", job_id, _describe(e))
-            try:
-                conn.send(reply)
-            except OSError:
-                return
-    finally:
-        outbox.release()
-        conn.close()
-        _leave()
-
-
-def _leave() -> None:
-    """Leave now: a process that has loaded torch takes seconds to tear its modules down, and holds nothing that
-    needs it (its blocks are released, its pipe closed)."""
-    import sys
-
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (AttributeError, OSError, ValueError):
-            pass
-    os._exit(0)

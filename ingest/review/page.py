@@ -30,6 +30,7 @@ from loguru import logger
 
 from db.models import RunEnd
 from ingest.ledger.owners import is_gone
+from ingest.logs import counted
 from ingest.pages.orientation import turn
 from ingest.quality.grades import explain
 from ingest.reading.words import page_segments
@@ -205,7 +206,7 @@ def render_html(rep: dict[str, Any], images: dict[int, str] | None = None, confi
              "a g f p r show all / good / fair / poor / repaired pages; hover or focus a box or its text to see the "
              "other; <mark class='unsure'>marked</mark> words: the model was unsure of them</div></header><main>"]
     for d in rep["documents"]:
-        parts.append(f"<h2 data-doc='{d['id']}'>{e(d['name'])} <small>({d['page_count']} pages; document "
+        parts.append(f"<h2 data-doc='{d['id']}'>{e(d['name'])} <small>({counted(d['page_count'], 'page')}; document "
                      f"{d['id']})</small></h2>")
         for p in d["pages"]:
             parts.append(_page_html(d, p, images.get(p["page_id"]), rerun, unsure))

@@ -16,6 +16,7 @@ from typing import Any
 from db.runs import get_run, latest_run_with_pages, run_pages
 from db.session import Database
 from ingest.errors import UsageError
+from ingest.logs import counted
 from ingest.pages.orientation import page_turn
 from ingest.quality.calibration import NOT_CALIBRATED, uncalibrated_pages
 from ingest.review.assets import REVIEW_PX, THUMB_PX
@@ -80,12 +81,12 @@ def format_report(rep: dict[str, Any]) -> str:
         return "no pages stored yet"
     r = rep["run"]
     rate = f" ({r['pages_per_hour']:,.0f} pages/hour)" if r.get("pages_per_hour") else ""
-    lines = [f"run {r['id']} ({r['mode']}, {r['model']}; {run_span(r)}): {rep['pages']} pages{rate}  "
+    lines = [f"run {r['id']} ({r['mode']}, {r['model']}; {run_span(r)}): {counted(rep['pages'], 'page')}{rate}  "
              + "  ".join(f"{g} {n}" for g, n in sorted(rep["grades"].items()))]
     if rep.get("not_calibrated"):
         lines.append(rep["not_calibrated"])
     for d in rep["documents"]:
-        lines += ["", f"#{d['id']} {d['name']} ({d['page_count']} pages)",
+        lines += ["", f"#{d['id']} {d['name']} ({counted(d['page_count'], 'page')})",
                   f"  {'page':>4}  {'grade':<5}  {'finish':<14} {'tau':>6} {'tok/s':>8}  reasons"]
         for p in d["pages"]:
             tau = f"{p['tau']:.2f}" if p["tau"] is not None else "-"

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import Any
 
 from loguru import logger
-from tqdm import tqdm
 
 import engine
 from db.queue import end_leases_of_gone_owners
@@ -28,6 +27,7 @@ from db.session import Database
 from ingest.config import Settings
 from ingest.errors import ExitCode, ModelUnavailable, infrastructure_problem
 from ingest.ledger.owners import is_gone
+from ingest.logs import progress_bar
 from ingest.worker.finish import Finisher
 from ingest.worker.finish_queue import FinishQueue
 
@@ -87,7 +87,7 @@ def serve_run(worker, stop: threading.Event, until: Callable[[], bool], report: 
     """One run: ``worker`` serves until ``until()`` holds or ``stop`` is set; its run is closed, ``summary(run id)``
     says what became of the work, and the run is ``report``ed (when it decoded something). ``progress`` (what,
     pages): a progress bar of the pages stored. Returns the run's id (None: it decoded nothing)."""
-    bar = tqdm(total=progress[1], unit="page", desc=progress[0], dynamic_ncols=True) if progress else None
+    bar = progress_bar(progress[1], progress[0], unit="page") if progress else None
     worker.on_pages = bar.update if bar is not None else None
     try:
         worker.serve(stop, until=until)

@@ -45,13 +45,15 @@ from db.queue import Claim, TakenOver, claim, release, room_left
 from db.session import Database
 from engine.chunk_decode import ChunkDecoder
 from engine.chunk_output import ChunkOutput
-from engine.model.load import ModelLoadError, ModelNotFound
+from engine.model.files import ModelNotFound
+from engine.model.load import ModelLoadError
 from ingest.config import Settings
 from ingest.errors import ModelUnavailable, infrastructure_problem
 from ingest.intake.failed import file_failed
 from ingest.ledger.health import Trouble
 from ingest.ledger.leases import LeaseKeeper, say_whose_leases
 from ingest.ledger.owners import this_process
+from ingest.logs import counted
 from ingest.pages.inputs import turned_inputs
 from ingest.pages.pool import preparation_pool
 from ingest.pages.prefetch import NotPrepared, Prefetcher, Prepared
@@ -64,6 +66,7 @@ from ingest.worker.finish import Finisher
 from ingest.worker.finish_queue import FinishQueue
 from ingest.worker.inflight import batched, poll_all
 from ingest.worker.lifecycle import RunHandle, take_over_from_the_gone
+from ingest.worker.model_files import model_not_found
 from ingest.worker.outcome import (
     checked_stats,
     chunk_note,
@@ -112,7 +115,9 @@ class Worker:
                 raise e
             try:
                 self._decoder = batched(self.make_decoder())
-            except (ModelNotFound, ModelLoadError) as e:
+            except ModelNotFound as e:
+                raise model_not_found(self.settings, e) from None
+            except ModelLoadError as e:
                 raise ModelUnavailable(str(e)) from None
         return self._decoder
 
@@ -372,7 +377,7 @@ class Worker:
             return logger.warning("{}: lease lost before storing; dropping the result", chunk.label)
         self.trouble.ok()
         s = out.chunk_stats
-        logger.info("{}: {} pages, {} tokens in {:.1f}s ({:.1f} tok/s), finish {}{}", chunk.label, len(rows),
+        logger.info("{}: {}, {} tokens in {:.1f}s ({:.1f} tok/s), finish {}{}", chunk.label, counted(len(rows), "page"),
                     s.get("output_tokens", 0), s.get("seconds", 0.0), s.get("tokens_per_second", 0.0),
                     out.finish_reason, f"; {note}" if note else "")
         if self.on_pages:
