@@ -824,13 +824,15 @@ def test_a_rerun_rewrites_the_outputs_where_the_document_was_written(tmp_path, t
     assert f"{out / 'deeds'}, where its outputs were written before, is gone" in r.stderr
     with db.session() as ss:
         assert ss.get(Document, 1).output_dir == str(s.outbox / "deeds")
-    # its folder deleted, and another deeds.pdf written there since: the re-run does not overwrite that one
+    # its folder deleted, and another document's outputs written there since (deeds.png: the archive has no file of
+    # that name): the re-run does not overwrite them, and takes the next name, as its archived original would
     shutil.rmtree(s.outbox / "deeds")
-    r = uflash("--config", str(cfg), "run", str(make_pdf(s.inbox / "deeds.pdf", ["other deeds"])), timeout=600)
+    Image.new("RGB", (300, 200), "white").save(s.inbox / "deeds.png")
+    r = uflash("--config", str(cfg), "run", str(s.inbox / "deeds.png"), timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     r = uflash("--config", str(cfg), "rerun", "--doc", "1", "--mode", "plain", timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert json.loads((s.outbox / "deeds" / "document.json").read_text(encoding="utf-8"))["document"]["id"] == 2
     with db.session() as ss:
         moved = Path(ss.get(Document, 1).output_dir)
-    assert moved.name.startswith("deeds-") and json.loads((moved / "document.json").read_text())["run"]["id"] == 5
+    assert moved == s.outbox / "deeds (2)" and json.loads((moved / "document.json").read_text())["run"]["id"] == 5
