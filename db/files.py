@@ -1,4 +1,5 @@
-"""Files that did not become documents: rejected files (with their reason) and duplicates of a document's content.
+"""Files that did not become documents: rejected files (with their reason) and duplicates of a document's content;
+each tied to the run that took it in.
 
 Each is recorded together with putting the file where it goes (``place``: moved out of the inbox, or copied), in one
 transaction: the ledger goes first, so when it cannot take the record (unreachable, locked, full) the file stays
@@ -12,14 +13,16 @@ import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
-from db.models import Duplicate, Rejected
+from sqlalchemy import select
+
+from db.models import Document, Duplicate, Rejected
 from db.session import Database
 
 
 def record_rejected(db: Database, place: Callable[[], Path | None], undo: Callable[[Path | None], None],
                     **values) -> Path | None:
-    """A rejected file (``Rejected`` columns: path, name, sha256, size_bytes, reason) recorded and placed; returns
-    where it went."""
+    """A rejected file (``Rejected`` columns: path, name, sha256, size_bytes, reason, run_id) recorded and placed;
+    returns where it went."""
     return _record_and_place(db, Rejected(**values), place, undo)
 
 
@@ -46,3 +49,14 @@ def _record_and_place(db: Database, row: Rejected | Duplicate, place: Callable[[
             undo(dest)
             raise
         return dest
+
+
+def files_of_run(db: Database, run_id: int) -> tuple[list[Rejected], list[tuple[Duplicate, Document]]]:
+    """The files run ``run_id`` took in that became no document of their own: rejected ones, and duplicates with the
+    document they duplicate; each by id."""
+    with db.session() as s:
+        rejected = list(s.scalars(select(Rejected).where(Rejected.run_id == run_id).order_by(Rejected.id)))
+        duplicates = [tuple(r) for r in s.execute(select(Duplicate, Document)
+                                                  .join(Document, Document.id == Duplicate.document_id)
+                                                  .where(Duplicate.run_id == run_id).order_by(Duplicate.id))]
+        return rejected, duplicates

@@ -87,7 +87,7 @@ def test_uflash_run_end_to_end(tmp_path, tiny_model_dir, ledger_url):
 
 def test_run_on_a_file_outside_the_inbox_leaves_it_in_place(tmp_path, tiny_model_dir):
     """`uflash run PATH` copies a file named outside the inbox into the archive and leaves the original where the
-    user keeps it; running the same command again finds the document done and decodes nothing."""
+    user keeps it; running the same command again finds the document done, decodes nothing and says so."""
     cfg = worker_config(tmp_path, tiny_model_dir)
     s = load_settings(cfg)
     s.ensure_folders()
@@ -95,10 +95,11 @@ def test_run_on_a_file_outside_the_inbox_leaves_it_in_place(tmp_path, tiny_model
     shelf.mkdir()
     pdf = make_pdf(shelf / "letter.pdf", ["Dear archivist.", "Yours."])
     original = pdf.read_bytes()
-    for attempt in (1, 2):
+    for said in ("done    letter.pdf: 2 pages", "duplicate letter.pdf: the same content as document 1 (letter.pdf), "
+                                                  f"nothing decoded; left at {pdf}"):
         r = uflash("--config", str(cfg), "run", str(pdf), timeout=600)
         assert r.returncode == 0, r.stdout + r.stderr
-        assert "done    letter.pdf: 2 pages" in r.stdout, attempt
+        assert said in r.stdout and len(r.stdout.splitlines()) == 2, r.stdout  # that line, and the report's
         assert pdf.read_bytes() == original, "the user's file stays where it was, unchanged"
     assert [p.name for p in s.archive.iterdir() if p.is_file()] == ["letter.pdf"]
     assert (s.archive / "letter.pdf").read_bytes() == original

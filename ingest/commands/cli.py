@@ -77,19 +77,19 @@ def cmd_watch(settings: Settings, args: argparse.Namespace) -> int:
     if db is None:
         logger.info("stopped")
         return ExitCode.OK
-    watcher = InboxWatcher(settings, db)
-    if args.intake_only:
-        watcher.run(stop)
+    if args.intake_only:  # no runs: refused files and duplicates are recorded without one
+        InboxWatcher(settings, db).run(stop)
         logger.info("stopped")
         return ExitCode.OK
-    intake = threading.Thread(target=watcher.run, args=(stop,), name="intake", daemon=True)
-    intake.start()
-    try:
-        with make_worker(settings, db) as worker:
+    with make_worker(settings, db) as worker:  # the model is loaded when the first chunk is claimed
+        watcher = InboxWatcher(settings, db, intake_run=worker.run)  # its files are named in the batch's report
+        intake = threading.Thread(target=watcher.run, args=(stop,), name="intake", daemon=True)
+        intake.start()
+        try:
             run_id = serve_batches(worker, stop, _report(settings, db, log=True))
-    finally:
-        stop.set()
-        intake.join(timeout=30)
+        finally:
+            stop.set()
+            intake.join(timeout=30)
     logger.info("stopped{}", f" (run {run_id} closed)" if run_id is not None else "")
     return ExitCode.OK
 

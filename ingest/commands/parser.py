@@ -33,8 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     rp = sub.add_parser("report", help="per-page grades, reasons, tau and tokens/s of a run; writes the HTML report")
     rp.add_argument("--run", type=int, metavar="ID",
-                    help="the run: one per `uflash run`, `uflash watch` process or `uflash rerun` (default: the "
-                         "latest run with pages)")
+                    help="the run: one per `uflash run`, `uflash watch` batch or `uflash rerun` (default: the "
+                         "latest run that decoded pages or took files in)")
     rp.add_argument("--grade", choices=["good", "fair", "poor"], help="only pages of this grade")
     rp.add_argument("--json", action="store_true", help="print one JSON object")
     rp.add_argument("--no-html", action="store_true", help="do not write <outbox>/reports/run-<ID>.html")
@@ -63,9 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="this failed document (`uflash status` lists them with their ids); may be repeated")
     which.add_argument("--all", action="store_true", help="every failed document")
 
-    s = sub.add_parser("status", help="documents and chunks by state, failures and their reasons")
+    s = sub.add_parser("status", help="documents and chunks by state, failures and their reasons, and where each "
+                                      "original is")
     s.add_argument("--json", action="store_true", help="print one JSON object")
-    s.add_argument("--limit", type=int, default=20, help="how many failures to list")
+    s.add_argument("--limit", type=int, default=20,
+                   help="how many of each list to show (waiting, done, failed, refused files, duplicates)")
 
     cal = sub.add_parser("calibrate", help="choose the page grades' thresholds for the configured model on a labelled "
                                            "ladder and write them beside it (calibration.json); resumable")

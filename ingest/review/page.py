@@ -1,5 +1,7 @@
 """The review page of a run (``<outbox>/reports/run-<ID>.html``): one self-contained HTML file (images inline, no
-network) in which a reviewer sees why each page got its grade and picks the pages to decode again.
+network) that first says what became of every file the run touched (ingest.review.outcomes: done, failed, waiting, a
+duplicate, refused; one line each), and in which a reviewer sees why each page got its grade and picks the pages to
+decode again.
 
 Per page: the page as the model read it (turned as it was read), large enough to read for pages that are not
 ``good`` (``REVIEW_PX``; good pages as a thumbnail, ``THUMB_PX``, so that a night of 10,000 pages stays a file a
@@ -175,6 +177,17 @@ def _page_html(d: dict[str, Any], p: dict[str, Any], image: str | None, rerun: s
             f"</section>")
 
 
+def _files_html(files: list[dict[str, Any]]) -> str:
+    """What became of every file of the run, one line each."""
+    if not files:
+        return ""
+    e = html.escape
+    items = "".join(f"<li class='f-{e(f['outcome'])}'><strong>{e(f['outcome'])}</strong> {e(f['words'])}</li>"
+                    for f in files)
+    return f"<section class='files' aria-labelledby='files-h'><h2 id='files-h'>files of this run</h2><ul>{items}</ul>" \
+           "</section>"
+
+
 def render_html(rep: dict[str, Any], images: dict[int, str] | None = None, config_file: str | None = None,
                 unsure: float = 0.5) -> str:
     """The review page (``images``: page_id -> image data URI; ``config_file``: the config the commands name)."""
@@ -203,7 +216,8 @@ def render_html(rep: dict[str, Any], images: dict[int, str] | None = None, confi
              "</span></div><pre id='command' aria-label='re-run commands of the picked pages'></pre>"
              "<div class='keys'>keys: j / k next / previous page, x pick it, c copy the commands of the picked pages, "
              "a g f p r show all / good / fair / poor / repaired pages; hover or focus a box or its text to see the "
-             "other; <mark class='unsure'>marked</mark> words: the model was unsure of them</div></header><main>"]
+             "other; <mark class='unsure'>marked</mark> words: the model was unsure of them</div></header><main>",
+             _files_html(rep.get("files") or [])]
     for d in rep["documents"]:
         parts.append(f"<h2 data-doc='{d['id']}'>{e(d['name'])} <small>({d['page_count']} pages; document "
                      f"{d['id']})</small></h2>")
