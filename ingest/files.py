@@ -1,10 +1,11 @@
 """File-system helpers: hashing, the one naming rule where names collide, moving without overwriting, atomic writes,
-completeness checks."""
+completeness checks, and a path or a uflash command as a person pastes it into a shell."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -116,3 +117,14 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def shell_arg(s: str) -> str:
+    """``s`` as one argument in a POSIX shell and in Windows cmd (double quotes only where needed)."""
+    return s if re.fullmatch(r"[\w./:\\=+-]+", s) else '"' + s.replace('"', '\\"') + '"'
+
+
+def uflash_command(config_file: Path | str | None, *args: str | Path) -> str:
+    """``uflash [--config FILE] ARGS...`` as a person pastes it into a shell (the config named when one was read)."""
+    config = ("--config", str(config_file)) if config_file else ()
+    return " ".join(["uflash", *(shell_arg(str(a)) for a in (*config, *args))])

@@ -1,8 +1,8 @@
 """What became of every file, said where a person looks: `uflash run`'s output, `uflash report` (JSON), the run's review
 page and `uflash status` each name every file a run touched (done, a duplicate, refused) with where it is now; refused
-files and duplicates are tied to the run that took them in (a watcher's too); an original archived under a name in
-use has its outputs under the same name; and a ledger of the schema before is migrated, on SQLite and on
-PostgreSQL."""
+files and duplicates are tied to the run that took them in (a watcher's too); `uflash retry` puts refused files back
+into the inbox; an original archived under a name in use has its outputs under the same name; and a ledger of the
+schema before is migrated, on SQLite and on PostgreSQL."""
 
 from __future__ import annotations
 
@@ -73,6 +73,8 @@ def test_every_file_a_run_touched_is_named_with_what_became_of_it(tmp_path, tiny
     assert (s.outbox / "deed (2)" / "document.md").exists() and (s.archive / "deed (2).pdf").exists()
     assert (s.archive / "deed.pdf").read_bytes() == b"an earlier original of that name"
     assert not any(s.inbox.iterdir())
+    note = (s.failed / "x (2).pdf.error.txt").read_text(encoding="utf-8")
+    assert note.endswith(f'\nretry: uflash --config {cfg} retry --file "{s.failed / "x (2).pdf"}"\n'), note
 
     rep = json.loads(uflash("--config", str(cfg), "report", "--json", "--no-html").stdout)
     run_id = rep["run"]["id"]
@@ -97,6 +99,43 @@ def test_every_file_a_run_touched_is_named_with_what_became_of_it(tmp_path, tiny
         assert re.search(rf"  \w+ +{re.escape(name)}: .*{re.escape(where)}", st), (name, st)
     assert f"refused x.pdf: empty file (0 bytes); in {s.failed / 'x.pdf'}" in st, st  # the earlier refusal, named apart
     db.dispose()
+
+
+def test_uflash_retry_all_puts_refused_files_back_and_only_what_is_still_bad_is_refused_again(settings, db,
+                                                                                              config_path):
+    """Two refused files; one mended where it lies in failed/. `uflash retry --all` puts both back into the inbox under
+    the names they were dropped with, their notes gone; taken in again, the mended one is a document and the other
+    is refused again (a new refusal, in failed/ again); `uflash retry --file PATH` takes that one back, and a path
+    that is no refused file is refused with the reason, changing nothing."""
+    for name in ("empty.pdf", "scan.pdf"):
+        (settings.inbox / name).write_bytes(b"" if name == "empty.pdf" else GARBAGE)
+        assert intake_file(db, settings, settings.inbox / name).outcome == "rejected"
+    make_pdf(settings.failed / "scan.pdf", ["The scan, copied again whole."])  # mended where it lies
+
+    r = uflash("--config", str(config_path), "retry", "--all")
+    assert r.returncode == 0, r.stdout + r.stderr
+    for name in ("empty.pdf", "scan.pdf"):
+        assert f"back    {name}: in the inbox as {settings.inbox / name}, to be taken in again" in r.stdout, r.stdout
+    assert not any(settings.failed.iterdir()) and sorted(p.name for p in settings.inbox.iterdir()) == \
+        ["empty.pdf", "scan.pdf"]
+    assert intake_file(db, settings, settings.inbox / "scan.pdf").outcome == "document"
+    again = intake_file(db, settings, settings.inbox / "empty.pdf")
+    assert (again.outcome, again.moved_to) == ("rejected", settings.failed / "empty.pdf")
+    st = json.loads(uflash("--config", str(config_path), "status", "--json").stdout)
+    assert (st["rejected"], st["rejected_waiting"]) == (3, 1)
+    assert [(f["name"], f["moved_to"]) for f in st["rejected_files"]] == [("empty.pdf", str(again.moved_to))]
+
+    r = uflash("--config", str(config_path), "retry", "--file", str(settings.inbox / "scan.pdf"))
+    assert r.returncode == 2 and "is neither a refused file nor a failed document's original: nothing retried" \
+        in r.stderr, r.stdout + r.stderr
+    assert (settings.failed / "empty.pdf").exists()
+    r = uflash("--config", str(config_path), "retry", "--file", str(settings.failed / "empty.pdf"))
+    assert r.returncode == 0 and f"back    empty.pdf: in the inbox as {settings.inbox / 'empty.pdf'}" in r.stdout
+    r = uflash("--config", str(config_path), "retry", "--all")
+    assert r.returncode == 0 and "nothing to retry: no document is failed and no refused file waits in failed/" \
+        in r.stdout, r.stdout + r.stderr
+    with db.session() as s:
+        assert [r.retried_at is not None for r in s.scalars(select(Rejected).order_by(Rejected.id))] == [True] * 3
 
 
 def test_a_watchers_refusals_and_duplicates_are_named_in_its_batchs_run(settings, db):

@@ -22,7 +22,7 @@ from db.documents import pending_pages, unfinished_documents, waiting_documents
 from db.session import Database
 from ingest.config import Settings
 from ingest.errors import UsageError
-from ingest.files import is_ignored_name
+from ingest.files import is_ignored_name, uflash_command
 from ingest.intake.enqueue import Intake, intake_file
 from ingest.ledger.owners import this_process
 from ingest.review.outcomes import DONE, FAILED, REFUSED, WAITING, outcome_line, run_outcomes
@@ -87,6 +87,9 @@ def run_batch(settings: Settings, db: Database, paths: list[Path], make_worker: 
         count = Counter(o["outcome"] for o in outcomes)
         result.done, result.failed, result.pending, result.refused = (count[DONE], count[FAILED], count[WAITING],
                                                                       count[REFUSED])
+        if result.refused:
+            print(f"retry   a refused file, once mended or replaced in {settings.failed}: "
+                  f"{uflash_command(settings.config_file, 'retry', '--file', 'PATH')} (--all: every one)")
         others, other_chunks = waiting_documents(db, exclude=doc_ids)
         if others:
             print(f"queued  {_docs(len(others))} ({other_chunks} chunks) more wait in the ledger, left alone by this "

@@ -209,28 +209,16 @@ def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_retry(settings: Settings, args: argparse.Namespace) -> int:
-    from db.documents import failed_documents
-    from ingest.intake.failed import retry_document
+    from ingest.commands.retry import retry, what_to_retry
 
     settings.ensure_folders()
     db = open_existing_ledger(settings)
-    ids = failed_documents(db) if args.all else args.doc
-    if args.all and not ids:
-        print("nothing to retry: no document is failed")
+    todo = what_to_retry(settings, db, args.doc, args.file, args.all)  # all checked before any is touched
+    if not todo.documents and not todo.refused:
+        print("nothing to retry: no document is failed and no refused file waits in failed/")
         return ExitCode.OK
-    for doc_id in ids:  # all of them checked before any is touched
-        try:
-            retry_document(settings, db, doc_id, check_only=True)
-        except (LookupError, ValueError) as e:
-            raise UsageError(f"{e.args[0]}: nothing retried (`uflash status` lists the failed documents)") from None
-    for doc_id in ids:
-        doc, n, original = retry_document(settings, db, doc_id)
-        if n is None:
-            print(f"queued  #{doc_id} {doc.original_name}: queued again meanwhile (dropped into the inbox again?)")
-            continue
-        print(f"queued  #{doc_id} {doc.original_name}: {n} chunk(s) again, its original at {original} (it had "
-              f"failed with: {(doc.error or '-')[:300]})")
-    print("`uflash watch` decodes them (a running one takes them now), or `uflash run`")
+    print("\n".join(retry(settings, db, todo)))
+    print("`uflash watch` takes them (a running one takes them now), or `uflash run`")
     return ExitCode.OK
 
 

@@ -56,12 +56,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", metavar="FILE", default="uflash-task.xml", help="where to write it")
     t.add_argument("--user", help="run as this account (default: SYSTEM; a named one needs its password at import)")
 
-    rt = sub.add_parser("retry", help="queue failed documents again: their originals back out of the failed folder, "
-                                      "their failed chunks with their attempts reset")
+    rt = sub.add_parser("retry", help="queue failed documents again (their originals back out of the failed folder, "
+                                      "their failed chunks with their attempts reset) and put refused files back "
+                                      "into the inbox, to be taken in again")
     which = rt.add_mutually_exclusive_group(required=True)
     which.add_argument("--doc", type=int, metavar="ID", action="append",
                        help="this failed document (`uflash status` lists them with their ids); may be repeated")
-    which.add_argument("--all", action="store_true", help="every failed document")
+    which.add_argument("--file", metavar="PATH", action="append",
+                       help="this file in the failed folder: a refused file (back into the inbox; refused again only "
+                            "if it still cannot be processed) or a failed document's original; may be repeated")
+    which.add_argument("--all", action="store_true", help="every failed document and every refused file in the "
+                                                          "failed folder")
 
     s = sub.add_parser("status", help="documents and chunks by state, failures and their reasons, and where each "
                                       "original is")

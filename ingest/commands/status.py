@@ -114,7 +114,8 @@ def format_status(st: dict[str, Any]) -> str:
         lines += [f"  chunk {c['id']} (doc {c['document_id']}, pages {c['pages']}, attempt {c['attempts']}): "
                   f"{c['last_error']}" for c in st["retrying_chunks"]]
     if st["rejected_files"]:
-        lines.append("refused files in failed/, the latest first:")
+        lines.append("refused files in failed/, the latest first (`uflash retry --file PATH` puts one back into the "
+                     "inbox, `--all` every one):")
         lines += [f"  {outcome_line(r)}" for r in st["rejected_files"]]
     if st["duplicate_files"]:
         lines.append("duplicates, the latest first (nothing decoded):")

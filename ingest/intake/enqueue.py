@@ -1,8 +1,8 @@
 """Take one complete file into the ledger: a document (with its chunks), a duplicate, or a rejected file put in
-``failed/`` beside ``<name>.error.txt``. Idempotent by content SHA-256. Files from the inbox are moved; a file
-named from elsewhere (``uflash run PATH``) is copied and stays where it is (`ingest.files.file_away`). A duplicate or
-a rejected file is recorded with the run that took it in (``run``: the command's or the watcher's,
-ingest.worker.lifecycle.RunHandle), whose report names it.
+``failed/`` beside ``<name>.error.txt`` (whose last line is the command that retries it). Idempotent by content
+SHA-256. Files from the inbox are moved; a file named from elsewhere (``uflash run PATH``) is copied and stays where
+it is (`ingest.files.file_away`). A duplicate or a rejected file is recorded with the run that took it in (``run``:
+the command's or the watcher's, ingest.worker.lifecycle.RunHandle), whose report names it.
 
 Content already in the ledger is not always a duplicate: dropped again after its document failed, it is that
 document's retry; found under a new name while its document waits and the old name is gone, it is the same
@@ -40,6 +40,7 @@ from ingest.files import (
     is_inside,
     move_file,
     sha256_file,
+    uflash_command,
     unique_destination,
     write_atomic,
 )
@@ -93,7 +94,8 @@ def chunk_budget(settings: Settings) -> ChunkBudget:
 
 def reject(db: Database, settings: Settings, path: Path, reason: str, sha: str | None = None,
            run: IntakeRun | None = None) -> IntakeResult:
-    """Record the file as rejected with ``reason`` (in ``run``) and put it in failed/ beside ``<name>.error.txt``."""
+    """Record the file as rejected with ``reason`` (in ``run``) and put it in failed/ beside ``<name>.error.txt``, which
+    ends with the command that puts it back into the inbox (ingest.intake.refused)."""
     size = path.stat().st_size if path.exists() else 0
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
     note = f"file: {path}\nrejected: {stamp}\nreason: {reason}\nsha256: {sha or '-'}\n"
@@ -103,7 +105,8 @@ def reject(db: Database, settings: Settings, path: Path, reason: str, sha: str |
         dest = file_away(path, settings.failed, settings.inbox)
         copied.append(path.exists())  # a file named outside the inbox is copied, not moved
         if dest is not None:
-            write_atomic(dest.with_name(dest.name + ".error.txt"), note)
+            retry = uflash_command(settings.config_file, "retry", "--file", dest)
+            write_atomic(dest.with_name(dest.name + ".error.txt"), f"{note}retry: {retry}\n")
         return dest
 
     with _taking_in(run) as run_id:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import base64
 import html
 import io
-import re
 import socket
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Any
 from loguru import logger
 
 from db.models import RunEnd
+from ingest.files import uflash_command
 from ingest.ledger.owners import is_gone
 from ingest.pages.orientation import turn
 from ingest.quality.grades import explain
@@ -93,14 +93,9 @@ _FIGURES = ("finish_reason", "tokens", "chars", "plain_chars", "ink_chars", "cha
             "neighbour_chars_ratio")
 
 
-def shell_arg(s: str) -> str:
-    """``s`` as one argument in a POSIX shell and in Windows cmd (double quotes only where needed)."""
-    return s if re.fullmatch(r"[\w./:\\=+-]+", s) else '"' + s.replace('"', '\\"') + '"'
-
-
 def rerun_prefix(config_file: str | None, mode: str = "lossless") -> str:
     """``uflash [--config FILE] rerun --mode MODE``: the start of every command the page copies."""
-    return "uflash " + (f"--config {shell_arg(config_file)} " if config_file else "") + f"rerun --mode {mode}"
+    return uflash_command(config_file, "rerun", "--mode", mode)
 
 
 def _text_html(text: str, confidences: Sequence[float | None] | None, unsure: float, page_key: str) -> str:
