@@ -84,8 +84,8 @@ def format_report(rep: dict[str, Any]) -> str:
         return "no run yet: nothing decoded or taken in"
     r = rep["run"]
     rate = f" ({r['pages_per_hour']:,.0f} pages/hour)" if r.get("pages_per_hour") else ""
-    lines = [f"run {r['id']} ({r['mode']}, {r['model']}; {run_span(r)}): {rep['pages']} pages{rate}  "
-             + "  ".join(f"{g} {n}" for g, n in sorted(rep["grades"].items()))]
+    grades = "  ".join(f"{g} {n}" for g, n in sorted(rep["grades"].items()))
+    lines = [f"run {r['id']} ({r['mode']}, {r['model']}; {run_span(r)}): {rep['pages']} pages{rate}  {grades}".rstrip()]
     if rep.get("not_calibrated"):
         lines.append(rep["not_calibrated"])
     lines += map(outcome_line, rep["files"])
