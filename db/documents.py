@@ -121,6 +121,13 @@ def failed_documents(db: Database) -> list[int]:
         return list(s.scalars(select(Document.id).where(Document.status == DocStatus.FAILED).order_by(Document.id)))
 
 
+def failed_document_at(db: Database, paths: Collection[str]) -> int | None:
+    """The failed document whose original lies at one of ``paths`` (its ``failed_path``), if any."""
+    with db.session() as s:
+        return s.scalar(select(Document.id).where(Document.status == DocStatus.FAILED,
+                                                  Document.failed_path.in_(list(paths))).limit(1))
+
+
 def failed_unfiled(db: Database, ids: Collection[int] | None = None) -> list[Document]:
     """Failed documents (of ``ids``, when given) whose original was not filed away yet (no ``failed_path``)."""
     with db.session() as s:

@@ -98,7 +98,8 @@ class Document(Base):
 
 
 class Duplicate(Base):
-    """A file whose content equals an existing document's: recorded, not processed again."""
+    """A file whose content equals an existing document's: recorded, not processed again; ``run_id``: the run that
+    took it in (None: taken in by a watcher that decodes nothing, ``uflash watch --intake-only``)."""
 
     __tablename__ = "duplicates"
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -109,12 +110,15 @@ class Duplicate(Base):
     mtime_ns: Mapped[int] = mapped_column(BigInteger)
     moved_to: Mapped[str | None] = mapped_column(Text, default=None)
     seen_at: Mapped[datetime] = mapped_column(default=utcnow)
+    run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id"), default=None, index=True)
 
     document: Mapped[Document] = relationship(back_populates="duplicates")
 
 
 class Rejected(Base):
-    """A dropped file that cannot be processed, with its reason and where it was moved."""
+    """A dropped file that cannot be processed, with its reason and where it was moved (in failed/, beside its
+    ``.error.txt``); ``run_id``: the run that took it in (None as for a duplicate); ``retried_at``: when ``uflash
+    retry`` put it back into the inbox, to be taken in again (refused again only if it still cannot be processed)."""
 
     __tablename__ = "rejected_files"
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -125,6 +129,8 @@ class Rejected(Base):
     reason: Mapped[str] = mapped_column(CleanText)
     moved_to: Mapped[str | None] = mapped_column(Text, default=None)
     seen_at: Mapped[datetime] = mapped_column(default=utcnow)
+    run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id"), default=None, index=True)
+    retried_at: Mapped[datetime | None] = mapped_column(default=None)
 
 
 class RunEnd(StrEnum):

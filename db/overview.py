@@ -14,16 +14,22 @@ from db.session import Database, open_engine, schema_version
 
 
 def ledger_counts(db: Database, limit: int = 20) -> dict[str, Any]:
-    """Counts by status, the waiting documents with their pages decoded so far, the leases of running chunks, the open
-    runs with their pages, the failures and the chunks waiting after an error (``limit`` of each list)."""
+    """Counts by status, the waiting documents with their pages decoded so far and their originals, the latest done
+    documents, the leases of running chunks, the open runs with their pages, the failures, the refused files not
+    retried, the latest duplicates (each with its document) and the chunks waiting after an error (``limit`` of each
+    list)."""
     with db.session() as s:
         docs = dict(s.execute(select(Document.status, func.count()).group_by(Document.status)).all())
         chunks = dict(s.execute(select(Chunk.status, func.count()).group_by(Chunk.status)).all())
         pages = s.scalar(select(func.coalesce(func.sum(Document.page_count), 0)))
         failed = s.execute(select(Document.id, Document.original_name, Document.error, Document.failed_path)
                            .where(Document.status == DocStatus.FAILED).order_by(Document.id.desc()).limit(limit)).all()
-        rejected = s.execute(select(Rejected.name, Rejected.reason, Rejected.moved_to)
+        rejected = s.scalars(select(Rejected).where(Rejected.retried_at.is_(None))
                              .order_by(Rejected.id.desc()).limit(limit)).all()
+        duplicates = s.execute(select(Duplicate, Document).join(Document, Document.id == Duplicate.document_id)
+                               .order_by(Duplicate.id.desc()).limit(limit)).all()
+        done = s.scalars(select(Document).where(Document.status == DocStatus.DONE)
+                         .order_by(Document.completed_at.desc(), Document.id.desc()).limit(limit)).all()
         leases = s.execute(select(Chunk.lease_owner, func.count(), func.max(Chunk.lease_expires_at))
                            .where(Chunk.status == ChunkStatus.RUNNING).group_by(Chunk.lease_owner)
                            .order_by(Chunk.lease_owner)).all()
@@ -34,7 +40,8 @@ def ledger_counts(db: Database, limit: int = 20) -> dict[str, Any]:
                               .where(Chunk.status.in_(PENDING)))
         waiting = s.execute(select(Document.id, Document.original_name, Document.status, Document.page_count,
                                    select(func.count(func.distinct(Page.page_index)))
-                                   .where(Page.document_id == Document.id).scalar_subquery())
+                                   .where(Page.document_id == Document.id).scalar_subquery(),
+                                   func.coalesce(Document.archived_path, Document.original_path))
                             .where(Document.status.in_(WAITING)).order_by(Document.id).limit(limit)).all()
         retrying = s.execute(select(Chunk.id, Chunk.document_id, Chunk.first_page, Chunk.last_page, Chunk.attempts,
                                     Chunk.last_error)
@@ -44,7 +51,10 @@ def ledger_counts(db: Database, limit: int = 20) -> dict[str, Any]:
             "documents": docs, "chunks": chunks, "pages": int(pages or 0),
             "duplicates": s.scalar(select(func.count()).select_from(Duplicate)),
             "rejected": s.scalar(select(func.count()).select_from(Rejected)),
-            "failed_documents": [tuple(r) for r in failed], "rejected_files": [tuple(r) for r in rejected],
+            "rejected_waiting": s.scalar(select(func.count()).select_from(Rejected)
+                                         .where(Rejected.retried_at.is_(None))),
+            "failed_documents": [tuple(r) for r in failed], "rejected_files": list(rejected),
+            "duplicate_files": [tuple(r) for r in duplicates], "done_documents": list(done),
             "leases": [tuple(r) for r in leases], "open_runs": [tuple(r) for r in open_runs],
             "pages_left": int(pages_left or 0), "waiting_documents": [tuple(r) for r in waiting],
             "retrying_chunks": [tuple(r) for r in retrying],

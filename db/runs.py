@@ -23,7 +23,7 @@ from typing import Any
 
 from sqlalchemy import Connection, func, literal, select, update
 
-from db.models import Chunk, ChunkStatus, Document, Page, Run, RunEnd
+from db.models import Chunk, ChunkStatus, Document, Duplicate, Page, Rejected, Run, RunEnd
 from db.session import Database, among
 
 C = Chunk.__table__
@@ -36,6 +36,13 @@ def open_run(db: Database, mode: str, model: str, engine_version: str, host: str
     with db.engine.begin() as conn:
         return conn.execute(R.insert().values(mode=mode, model=model, engine_version=engine_version, host=host,
                                               owner=owner, settings=settings).returning(R.c.id)).scalar_one()
+
+
+def describe_run(db: Database, run_id: int, mode: str, model: str, settings: dict[str, Any]) -> None:
+    """What decodes in run ``run_id``, once it loaded (a run opened by taking files in records the configured mode and
+    model until then)."""
+    with db.engine.begin() as conn:
+        conn.execute(update(R).where(R.c.id == run_id).values(mode=mode, model=model, settings=settings))
 
 
 def get_run(db: Database, run_id: int) -> Run | None:
@@ -58,6 +65,13 @@ def run_ids(db: Database) -> list[int]:
 def latest_run_with_pages(db: Database) -> int | None:
     with db.session() as s:
         return s.scalar(select(func.max(Page.run_id)))
+
+
+def latest_run_with_work(db: Database) -> int | None:
+    """The latest run that stored pages or took files in (a refused one, a duplicate)."""
+    with db.session() as s:
+        return max((i for table in (Page, Rejected, Duplicate) if (i := s.scalar(select(func.max(table.run_id))))),
+                   default=None)
 
 
 def run_pages(db: Database, run_id: int) -> list[tuple[Page, Document]]:

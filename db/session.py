@@ -35,7 +35,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from db.models import Base, Run, RunEnd, SchemaVersion
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 def _v2_run_owner_and_end(conn: Connection) -> None:
@@ -75,9 +75,28 @@ def _v4_batch_limits_and_failed_paths(conn: Connection) -> None:
                       "WHERE status = 'failed' AND failed_path IS NULL"))
 
 
+def _v5_runs_of_refusals_and_duplicates(conn: Connection) -> None:
+    """duplicates.run_id and rejected_files.run_id (the run that took the file in: its report names the file), with
+    their indexes, and rejected_files.retried_at (`uflash retry` put the file back into the inbox). Files recorded
+    before keep no run, and a refused file is not retried. A column or an index already there is left as it is."""
+    stamp = "DATETIME" if conn.dialect.name == "sqlite" else "TIMESTAMP WITH TIME ZONE"
+    tables = ("duplicates", "rejected_files")
+    have = {t: {c["name"] for c in inspect(conn).get_columns(t)} for t in tables}
+    indexes = {t: {i["name"] for i in inspect(conn).get_indexes(t)} for t in tables}
+    for table, column, kind in (("duplicates", "run_id", "INTEGER REFERENCES runs (id)"),
+                                ("rejected_files", "run_id", "INTEGER REFERENCES runs (id)"),
+                                ("rejected_files", "retried_at", stamp)):
+        if column not in have[table]:
+            conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {column} {kind}"))
+    for table in tables:
+        if f"ix_{table}_run_id" not in indexes[table]:
+            conn.execute(text(f"CREATE INDEX ix_{table}_run_id ON {table} (run_id)"))
+
+
 # version -> function(connection) that upgrades from version-1. Add an entry with every schema change.
 MIGRATIONS: dict[int, Callable[[Connection], None]] = {2: _v2_run_owner_and_end, 3: _v3_64_bit_sizes_and_mtimes,
-                                                       4: _v4_batch_limits_and_failed_paths}
+                                                       4: _v4_batch_limits_and_failed_paths,
+                                                       5: _v5_runs_of_refusals_and_duplicates}
 
 
 class SchemaTooNew(RuntimeError):

@@ -1,12 +1,15 @@
-"""File-system helpers: hashing, moving without overwriting, atomic writes, completeness checks."""
+"""File-system helpers: hashing, the one naming rule where names collide, moving without overwriting, atomic writes,
+completeness checks, and a path or a uflash command as a person pastes it into a shell."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import secrets
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 # Names that copy tools and browsers use while a file is still arriving, and our own side files.
@@ -46,20 +49,28 @@ def can_open_exclusively(path: Path) -> bool:
         return False
 
 
-def unique_destination(folder: Path, name: str) -> Path:
-    """``folder/name``, or ``folder/stem (2).ext`` ... when taken: never overwrite a file."""
-    folder.mkdir(parents=True, exist_ok=True)
-    dest = folder / name
+def free_name(name: str, taken: Callable[[str], bool]) -> str:
+    """``name``, or ``stem (2).ext``, ``stem (3).ext`` ... : the first name ``taken`` does not refuse. The one rule
+    for a name already in use: in the archive, failed/, archive/duplicates, the inbox (a retried file), and for an
+    original's outputs (ingest.worker.finish names its outbox folder and archived original alike)."""
     stem, suffix = Path(name).stem, Path(name).suffix
-    n = 2
-    while dest.exists() or dest.with_name(dest.name + ".error.txt").exists():
-        dest = folder / f"{stem} ({n}){suffix}"
+    candidate, n = name, 2
+    while taken(candidate):
+        candidate = f"{stem} ({n}){suffix}"
         n += 1
-    return dest
+    return candidate
 
 
-def move_file(src: Path, folder: Path) -> Path:
-    dest = unique_destination(folder, src.name)
+def unique_destination(folder: Path, name: str) -> Path:
+    """``folder/name`` under the first name ``free_name`` gives that holds no file (nor a file's ``.error.txt``):
+    never overwrite a file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / free_name(name, lambda n: (folder / n).exists() or (folder / f"{n}.error.txt").exists())
+
+
+def move_file(src: Path, folder: Path, name: str | None = None) -> Path:
+    """``src`` moved into ``folder`` under ``name`` (default: its own), or the next free name."""
+    dest = unique_destination(folder, name or src.name)
     shutil.move(str(src), str(dest))
     return dest
 
@@ -71,13 +82,13 @@ def is_inside(path: Path, folder: Path) -> bool:
         return False
 
 
-def file_away(src: Path, folder: Path, inbox: Path) -> Path:
-    """Put ``src`` into ``folder`` under a name not taken there: moved when it came through the inbox (what is
-    dropped there is uflash's to take), copied when the user named it elsewhere (``uflash run PATH``): uflash
-    never moves or deletes a file outside its inbox."""
+def file_away(src: Path, folder: Path, inbox: Path, name: str | None = None) -> Path:
+    """Put ``src`` into ``folder`` under ``name`` (default: its own) or the next free name: moved when it came through
+    the inbox (what is dropped there is uflash's to take), copied when the user named it elsewhere (``uflash run
+    PATH``): uflash never moves or deletes a file outside its inbox."""
     if is_inside(src, inbox):
-        return move_file(src, folder)
-    dest = unique_destination(folder, src.name)
+        return move_file(src, folder, name)
+    dest = unique_destination(folder, name or src.name)
     shutil.copy2(str(src), str(dest))
     return dest
 
@@ -106,3 +117,14 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def shell_arg(s: str) -> str:
+    """``s`` as one argument in a POSIX shell and in Windows cmd (double quotes only where needed)."""
+    return s if re.fullmatch(r"[\w./:\\=+-]+", s) else '"' + s.replace('"', '\\"') + '"'
+
+
+def uflash_command(config_file: Path | str | None, *args: str | Path) -> str:
+    """``uflash [--config FILE] ARGS...`` as a person pastes it into a shell (the config named when one was read)."""
+    config = ("--config", str(config_file)) if config_file else ()
+    return " ".join(["uflash", *(shell_arg(str(a)) for a in (*config, *args))])

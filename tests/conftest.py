@@ -287,7 +287,7 @@ def reopened(db):
     again = Database(url)
     try:
         with again.session() as s:
-            assert s.scalar(select(func.max(SchemaVersion.version))) == SCHEMA_VERSION == 4
+            assert s.scalar(select(func.max(SchemaVersion.version))) == SCHEMA_VERSION == 5
         yield again
     finally:
         again.dispose()

@@ -236,7 +236,7 @@ def test_a_failed_documents_original_goes_to_failed_and_dropped_again_it_is_retr
     assert not a.exists() and kept.exists()
     note = (settings.failed / "a.pdf.error.txt").read_text(encoding="utf-8")
     assert f"file: {a}\n" in note and "reason: pages 1-1: cannot render: boom\n" in note, note
-    assert f"`uflash retry --doc {doc_id}`" in note
+    assert note.endswith(f"\nretry: uflash --config {settings.config_file} retry --doc {doc_id}\n"), note
     assert file_failed(settings, db) == []  # filed once
     with db.session() as s:
         assert s.get(Document, doc_id).failed_path == str(kept)

@@ -281,11 +281,11 @@ def test_status_shows_pages_decoded_pages_left_and_when_they_should_be_done(tmp_
         s.get(Document, doc).status = "running"
     st = collect_status(db)
     assert st["waiting_documents"] == [{"id": doc, "name": "long.pdf", "status": "running", "pages_decoded": 4,
-                                        "page_count": 10}]
+                                        "page_count": 10, "original": "/in/long.pdf"}]
     assert [(r["id"], r["pages"], r["pages_per_hour"]) for r in st["open_runs"]] == [(1, 4, 2.0), (2, 1, None)]
     assert st["pages_left"] == 6 and abs(st["eta_seconds"] - 3 * 3600) < 60
     text = format_status(st)
-    assert "waiting:   #1 long.pdf: 4/10 pages decoded (running)" in text
+    assert "waiting:   #1 long.pdf: 4/10 pages decoded (running); its original: /in/long.pdf" in text
     assert "left:      6 pages to decode, about 3.0 h at the open runs' pace" in text
     assert "open:      run 1 (lossless) of " in text and "4 pages (2 an hour)" in text
     assert "(its process is gone: the next worker closes it as crashed)" in text

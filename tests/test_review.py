@@ -183,7 +183,7 @@ def _dom(browser: str, html_file: Path, fragment: str = "") -> str:
 def _visible(dom: str) -> list[tuple[str, str]]:
     """(page id, grade) of the page sections the script left visible."""
     out = []
-    for tag in re.findall(r"<section [^>]*>", dom):
+    for tag in re.findall(r"<section class=\"page[ \"][^>]*>", dom):
         if " hidden" not in tag:
             out.append((re.search(r'id="(\w+)"', tag).group(1), re.search(r'data-grade="(\w+)"', tag).group(1)))
     return out

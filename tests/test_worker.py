@@ -88,7 +88,7 @@ def test_uflash_run_end_to_end(tmp_path, tiny_model_dir, ledger_url):
 
 def test_run_on_a_file_outside_the_inbox_leaves_it_in_place(tmp_path, tiny_model_dir):
     """`uflash run PATH` copies a file named outside the inbox into the archive and leaves the original where the
-    user keeps it; running the same command again finds the document done and decodes nothing."""
+    user keeps it; running the same command again finds the document done, decodes nothing and says so."""
     cfg = worker_config(tmp_path, tiny_model_dir)
     s = load_settings(cfg)
     s.ensure_folders()
@@ -96,10 +96,11 @@ def test_run_on_a_file_outside_the_inbox_leaves_it_in_place(tmp_path, tiny_model
     shelf.mkdir()
     pdf = make_pdf(shelf / "letter.pdf", ["Dear archivist.", "Yours."])
     original = pdf.read_bytes()
-    for attempt in (1, 2):
+    for said in ("done    letter.pdf: 2 pages", "duplicate letter.pdf: the same content as document 1 (letter.pdf), "
+                                                  f"nothing decoded; left at {pdf}"):
         r = uflash("--config", str(cfg), "run", str(pdf), timeout=600)
         assert r.returncode == 0, r.stdout + r.stderr
-        assert "done    letter.pdf: 2 pages" in r.stdout, attempt
+        assert said in r.stdout and len(r.stdout.splitlines()) == 2, r.stdout  # that line, and the report's
         assert pdf.read_bytes() == original, "the user's file stays where it was, unchanged"
     assert [p.name for p in s.archive.iterdir() if p.is_file()] == ["letter.pdf"]
     assert (s.archive / "letter.pdf").read_bytes() == original
@@ -834,13 +835,15 @@ def test_a_rerun_rewrites_the_outputs_where_the_document_was_written(tmp_path, t
     assert f"{out / 'deeds'}, where its outputs were written before, is gone" in r.stderr
     with db.session() as ss:
         assert ss.get(Document, 1).output_dir == str(s.outbox / "deeds")
-    # its folder deleted, and another deeds.pdf written there since: the re-run does not overwrite that one
+    # its folder deleted, and another document's outputs written there since (deeds.png: the archive has no file of
+    # that name): the re-run does not overwrite them, and takes the next name, as its archived original would
     shutil.rmtree(s.outbox / "deeds")
-    r = uflash("--config", str(cfg), "run", str(make_pdf(s.inbox / "deeds.pdf", ["other deeds"])), timeout=600)
+    Image.new("RGB", (300, 200), "white").save(s.inbox / "deeds.png")
+    r = uflash("--config", str(cfg), "run", str(s.inbox / "deeds.png"), timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     r = uflash("--config", str(cfg), "rerun", "--doc", "1", "--mode", "plain", timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert json.loads((s.outbox / "deeds" / "document.json").read_text(encoding="utf-8"))["document"]["id"] == 2
     with db.session() as ss:
         moved = Path(ss.get(Document, 1).output_dir)
-    assert moved.name.startswith("deeds-") and json.loads((moved / "document.json").read_text())["run"]["id"] == 5
+    assert moved == s.outbox / "deeds (2)" and json.loads((moved / "document.json").read_text())["run"]["id"] == 5

@@ -78,19 +78,19 @@ def cmd_watch(settings: Settings, args: argparse.Namespace) -> int:
     if db is None:
         logger.info("stopped")
         return ExitCode.OK
-    watcher = InboxWatcher(settings, db)
-    if args.intake_only:
-        watcher.run(stop)
+    if args.intake_only:  # no runs: refused files and duplicates are recorded without one
+        InboxWatcher(settings, db).run(stop)
         logger.info("stopped")
         return ExitCode.OK
-    intake = threading.Thread(target=watcher.run, args=(stop,), name="intake", daemon=True)
-    intake.start()
-    try:
-        with make_worker(settings, db) as worker:
+    with make_worker(settings, db) as worker:  # the model is loaded when the first chunk is claimed
+        watcher = InboxWatcher(settings, db, intake_run=worker.run)  # its files are named in the batch's report
+        intake = threading.Thread(target=watcher.run, args=(stop,), name="intake", daemon=True)
+        intake.start()
+        try:
             run_id = serve_batches(worker, stop, _report(settings, db, log=True))
-    finally:
-        stop.set()
-        intake.join(timeout=30)
+        finally:
+            stop.set()
+            intake.join(timeout=30)
     logger.info("stopped{}", f" (run {run_id} closed)" if run_id is not None else "")
     return ExitCode.OK
 
@@ -210,28 +210,16 @@ def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_retry(settings: Settings, args: argparse.Namespace) -> int:
-    from db.documents import failed_documents
-    from ingest.intake.failed import retry_document
+    from ingest.commands.retry import retry, what_to_retry
 
     settings.ensure_folders()
     db = open_existing_ledger(settings)
-    ids = failed_documents(db) if args.all else args.doc
-    if args.all and not ids:
-        print("nothing to retry: no document is failed")
+    todo = what_to_retry(settings, db, args.doc, args.file, args.all)  # all checked before any is touched
+    if not todo.documents and not todo.refused:
+        print("nothing to retry: no document is failed and no refused file waits in failed/")
         return ExitCode.OK
-    for doc_id in ids:  # all of them checked before any is touched
-        try:
-            retry_document(settings, db, doc_id, check_only=True)
-        except (LookupError, ValueError) as e:
-            raise UsageError(f"{e.args[0]}: nothing retried (`uflash status` lists the failed documents)") from None
-    for doc_id in ids:
-        doc, n, original = retry_document(settings, db, doc_id)
-        if n is None:
-            print(f"queued  #{doc_id} {doc.original_name}: queued again meanwhile (dropped into the inbox again?)")
-            continue
-        print(f"queued  #{doc_id} {doc.original_name}: {n} chunk(s) again, its original at {original} (it had "
-              f"failed with: {(doc.error or '-')[:300]})")
-    print("`uflash watch` decodes them (a running one takes them now), or `uflash run`")
+    print("\n".join(retry(settings, db, todo)))
+    print("`uflash watch` takes them (a running one takes them now), or `uflash run`")
     return ExitCode.OK
 
 

@@ -33,8 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     rp = sub.add_parser("report", help="per-page grades, reasons, tau and tokens/s of a run; writes the HTML report")
     rp.add_argument("--run", type=int, metavar="ID",
-                    help="the run: one per `uflash run`, `uflash watch` process or `uflash rerun` (default: the "
-                         "latest run with pages)")
+                    help="the run: one per `uflash run`, `uflash watch` batch or `uflash rerun` (default: the "
+                         "latest run that decoded pages or took files in)")
     rp.add_argument("--grade", choices=["good", "fair", "poor"], help="only pages of this grade")
     rp.add_argument("--json", action="store_true", help="print one JSON object")
     rp.add_argument("--no-html", action="store_true", help="do not write <outbox>/reports/run-<ID>.html")
@@ -60,16 +60,23 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", metavar="FILE", default="uflash-task.xml", help="where to write it")
     t.add_argument("--user", help="run as this account (default: SYSTEM; a named one needs its password at import)")
 
-    rt = sub.add_parser("retry", help="queue failed documents again: their originals back out of the failed folder, "
-                                      "their failed chunks with their attempts reset")
+    rt = sub.add_parser("retry", help="queue failed documents again (their originals back out of the failed folder, "
+                                      "their failed chunks with their attempts reset) and put refused files back "
+                                      "into the inbox, to be taken in again")
     which = rt.add_mutually_exclusive_group(required=True)
     which.add_argument("--doc", type=int, metavar="ID", action="append",
                        help="this failed document (`uflash status` lists them with their ids); may be repeated")
-    which.add_argument("--all", action="store_true", help="every failed document")
+    which.add_argument("--file", metavar="PATH", action="append",
+                       help="this file in the failed folder: a refused file (back into the inbox; refused again only "
+                            "if it still cannot be processed) or a failed document's original; may be repeated")
+    which.add_argument("--all", action="store_true", help="every failed document and every refused file in the "
+                                                          "failed folder")
 
-    s = sub.add_parser("status", help="documents and chunks by state, failures and their reasons")
+    s = sub.add_parser("status", help="documents and chunks by state, failures and their reasons, and where each "
+                                      "original is")
     s.add_argument("--json", action="store_true", help="print one JSON object")
-    s.add_argument("--limit", type=int, default=20, help="how many failures to list")
+    s.add_argument("--limit", type=int, default=20,
+                   help="how many of each list to show (waiting, done, failed, refused files, duplicates)")
 
     cal = sub.add_parser("calibrate", help="choose the page grades' thresholds for the configured model on a labelled "
                                            "ladder and write them beside it (calibration.json); resumable")

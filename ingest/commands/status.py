@@ -1,8 +1,10 @@
 """What the ledger holds: counts by state, the documents waiting with their pages decoded so far, the pages left and
 when they should be done at the open runs' pace, the open runs and who holds the running chunks (and until when;
 whether that process is gone), the failures with their reasons, and (added by the CLI from ingest.ledger.health) the
-trouble the watchers of this machine have with the ledger or the machine. It only reads: closing what a gone process
-left is the next worker's job (ingest.worker.worker)."""
+trouble the watchers of this machine have with the ledger or the machine. Every file it lists says where its original
+is now: in the inbox (waiting), the archive (the latest done), failed/ under the name it is stored as (failed, refused)
+or archive/duplicates (the latest duplicates), in the words of ingest.review.outcomes. It only reads: closing what a
+gone process left is the next worker's job (ingest.worker.worker)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from db.overview import ledger_counts
 from db.session import Database
 from ingest.ledger.health import format_trouble
 from ingest.ledger.owners import is_gone
+from ingest.review.outcomes import document_outcome, duplicate_outcome, outcome_line, refused_outcome
 
 
 def collect_status(db: Database, limit: int = 20) -> dict[str, Any]:
@@ -28,12 +31,15 @@ def collect_status(db: Database, limit: int = 20) -> dict[str, Any]:
         "pages": c["pages"],
         "duplicates": c["duplicates"],
         "rejected": c["rejected"],
+        "rejected_waiting": c["rejected_waiting"],
         "failed_documents": [{"id": i, "name": n, "error": e, "original": f} for i, n, e, f in c["failed_documents"]],
-        "rejected_files": [{"name": n, "reason": r, "moved_to": m} for n, r, m in c["rejected_files"]],
+        "rejected_files": [{**refused_outcome(r), "id": r.id, "moved_to": r.moved_to} for r in c["rejected_files"]],
+        "duplicate_files": [duplicate_outcome(dup, doc) for dup, doc in c["duplicate_files"]],
+        "done_documents": [document_outcome(d) for d in c["done_documents"]],
         "leases": [{"owner": o, "chunks": n, "until": u, "owner_gone": is_gone(o)} for o, n, u in c["leases"]],
         "open_runs": open_runs,
-        "waiting_documents": [{"id": i, "name": n, "status": st, "pages_decoded": done, "page_count": total}
-                              for i, n, st, total, done in c["waiting_documents"]],
+        "waiting_documents": [{"id": i, "name": n, "status": st, "pages_decoded": done, "page_count": total,
+                               "original": where} for i, n, st, total, done, where in c["waiting_documents"]],
         "pages_left": pages_left,
         "eta_seconds": round(pages_left / rate * 3600) if rate and pages_left else None,
         "retrying_chunks": [
@@ -65,14 +71,15 @@ def format_status(st: dict[str, Any]) -> str:
     lines = [
         f"documents: {st['documents']['total']} ({counts(st['documents'])}), {st['pages']} pages",
         f"chunks:    {st['chunks']['total']} ({counts(st['chunks'])})",
-        f"duplicates: {st['duplicates']}   rejected files: {st['rejected']}",
+        f"duplicates: {st['duplicates']}   refused files: {st['rejected']} ({st['rejected_waiting']} in failed/, "
+        f"{st['rejected'] - st['rejected_waiting']} put back into the inbox)",
         *format_trouble(st.get("infrastructure") or []),  # the watchers' trouble with the ledger or the machine
     ]
     if st.get("grades"):  # added by the CLI: whether the configured model's grades are calibrated for it
         lines.append(f"grades:    {st['grades']['summary']}")
     for d in st["waiting_documents"]:
         lines.append(f"waiting:   #{d['id']} {d['name']}: {d['pages_decoded']}/{d['page_count']} pages decoded "
-                     f"({d['status']})")
+                     f"({d['status']}); its original: {d['original']}")
     waiting = st["documents"].get(DocStatus.QUEUED, 0) + st["documents"].get(DocStatus.RUNNING, 0)
     if (more := waiting - len(st["waiting_documents"])) > 0:
         lines.append(f"waiting:   ... and {more} more (--limit)")
@@ -93,6 +100,9 @@ def format_status(st: dict[str, Any]) -> str:
         dead = " (its worker is gone: the next worker takes it over at once)" if lease["owner_gone"] else \
             " (expired: its worker stopped; the next worker takes it over)" if (lease["until"] or 0) < now else ""
         lines.append(f"running:   {lease['chunks']} chunk(s) leased by {lease['owner']} until {until}{dead}")
+    if st["done_documents"]:
+        lines.append("done, the latest first (outputs in the outbox, originals in the archive):")
+        lines += [f"  {outcome_line(d)}" for d in st["done_documents"]]
     if st["failed_documents"]:
         lines.append("failed documents (`uflash retry --doc ID` queues one again):")
         for d in st["failed_documents"]:
@@ -104,8 +114,12 @@ def format_status(st: dict[str, Any]) -> str:
         lines += [f"  chunk {c['id']} (doc {c['document_id']}, pages {c['pages']}, attempt {c['attempts']}): "
                   f"{c['last_error']}" for c in st["retrying_chunks"]]
     if st["rejected_files"]:
-        lines.append("rejected files (moved to the failed folder):")
-        lines += [f"  {r['name']}: {r['reason']}" for r in st["rejected_files"]]
+        lines.append("refused files in failed/, the latest first (`uflash retry --file PATH` puts one back into the "
+                     "inbox, `--all` every one):")
+        lines += [f"  {outcome_line(r)}" for r in st["rejected_files"]]
+    if st["duplicate_files"]:
+        lines.append("duplicates, the latest first (nothing decoded):")
+        lines += [f"  {outcome_line(d)}" for d in st["duplicate_files"]]
     return "\n".join(lines)
 
 

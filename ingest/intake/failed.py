@@ -1,5 +1,5 @@
-"""A failed document's original in failed/, beside ``<name>.error.txt`` with the reason; and out of it again when the
-document is retried.
+"""A failed document's original in failed/, beside ``<name>.error.txt`` with the reason (its last line the command that
+retries it); and out of it again when the document is retried.
 
 ``file_failed`` is called wherever a worker may have made a document failed (a chunk failed, a chunk that killed its
 worker alone on its last attempt, outputs that could not be written) and files away every failed document not filed
@@ -28,7 +28,7 @@ from db.models import DocStatus, Document
 from db.session import Database
 from ingest.config import Settings
 from ingest.errors import infrastructure_problem
-from ingest.files import is_inside, sha256_file, unique_destination, write_atomic
+from ingest.files import is_inside, sha256_file, uflash_command, unique_destination, write_atomic
 
 
 def note_of(path: Path) -> Path:
@@ -89,8 +89,9 @@ def _file(settings: Settings, db: Database, doc: Document) -> Path | None:
                      doc.error, src, "moved" if moved else "copied", settings.failed, e)
         return None
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    retry = uflash_command(settings.config_file, "retry", "--doc", str(doc.id))
     write_atomic(note_of(dest), f"file: {src}\nfailed: {stamp}\nreason: {doc.error}\nsha256: {doc.sha256}\n"
-                                f"document: {doc.id} (`uflash retry --doc {doc.id}` queues it again)\n")
+                                f"document: {doc.id}\nretry: {retry}\n")
     logger.warning("{} failed: {} -> {}", doc.original_name, doc.error, dest)
     return dest
 

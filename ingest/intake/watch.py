@@ -31,7 +31,7 @@ from db.session import Database
 from ingest.config import Settings
 from ingest.errors import infrastructure_problem
 from ingest.files import can_open_exclusively, is_ignored_name
-from ingest.intake.enqueue import Intake, IntakeResult, intake_file, reject
+from ingest.intake.enqueue import Intake, IntakeResult, IntakeRun, intake_file, reject
 from ingest.ledger.health import Trouble
 
 
@@ -61,6 +61,7 @@ class InboxWatcher:
     settings: Settings
     db: Database
     on_result: object = None  # optional callable(Path, IntakeResult), for the CLI's counters
+    intake_run: IntakeRun | None = None  # the run refused files and duplicates are recorded in (the worker's)
     _pending: dict[Path, _Candidate] = field(default_factory=dict)
     _events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     _last_rescan: float = 0.0
@@ -150,9 +151,11 @@ class InboxWatcher:
             if not self.matches_patterns(path):
                 pats = ", ".join(self.settings.watch.patterns)
                 res = reject(self.db, self.settings, path,
-                             f"unsupported file type '{path.suffix or '(no extension)'}': watch.patterns takes {pats}")
+                             f"unsupported file type '{path.suffix or '(no extension)'}': watch.patterns takes {pats}",
+                             run=self.intake_run)
             else:
-                res = intake_file(self.db, self.settings, path, self.settings.watch.incomplete_grace_seconds)
+                res = intake_file(self.db, self.settings, path, self.settings.watch.incomplete_grace_seconds,
+                                  run=self.intake_run)
         except Exception as e:  # never let one file stop the watcher
             if self._infrastructure(path, e):
                 return None
@@ -164,7 +167,8 @@ class InboxWatcher:
             logger.opt(exception=c.errors == 1).error("intake of {} failed ({}x): {}", path.name, c.errors, e)
             if c.errors >= self.MAX_ERRORS:
                 try:
-                    res = reject(self.db, self.settings, path, f"intake failed {c.errors} times: {e}")
+                    res = reject(self.db, self.settings, path, f"intake failed {c.errors} times: {e}",
+                                 run=self.intake_run)
                 except Exception as e2:
                     if self._infrastructure(path, e2):
                         return None

@@ -26,13 +26,6 @@ def holds_another_document(folder: Path, sha256: str) -> bool:
         return True
 
 
-def output_folder(outbox: Path, name: str, sha256: str) -> Path:
-    """``<outbox>/<stem>``, or ``<stem>-<sha8>`` when that folder belongs to another document."""
-    stem = Path(name).stem or "document"
-    folder = outbox / stem
-    return outbox / f"{stem}-{sha256[:8]}" if holds_another_document(folder, sha256) else folder
-
-
 def write_document_outputs(folder: Path, document: dict[str, Any], run: dict[str, Any],
                            pages: list[dict[str, Any]], source: Path | None = None,
                            formats: Collection[str] = ("md", "json", "pdf", "alto")) -> tuple[Path, Path]:

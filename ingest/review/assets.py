@@ -23,6 +23,9 @@ button:focus-visible,input:focus-visible,[data-el]:focus-visible,section.page:fo
 .keys{color:#555;font-size:12px}
 main{padding:0 1.2em}
 h2{margin:1.2em 0 .2em;font-size:1.1em}
+section.files ul{list-style:none;margin:.3em 0;padding:0}
+section.files li{margin:.15em 0;overflow-wrap:anywhere}
+.f-refused strong,.f-failed strong{color:#a00}.f-waiting strong{color:#850}.f-duplicate strong{color:#555}
 section.page{border-top:1px solid #ccc;padding:.8em 0}
 section.page[hidden]{display:none}
 .head{display:flex;gap:.6em;align-items:baseline;flex-wrap:wrap}

@@ -1,5 +1,7 @@
 """The review page of a run (``<outbox>/reports/run-<ID>.html``): one self-contained HTML file (images inline, no
-network) in which a reviewer sees why each page got its grade and picks the pages to decode again.
+network) that first says what became of every file the run touched (ingest.review.outcomes: done, failed, waiting, a
+duplicate, refused; one line each), and in which a reviewer sees why each page got its grade and picks the pages to
+decode again.
 
 Per page: the page as the model read it (turned as it was read), large enough to read for pages that are not
 ``good`` (``REVIEW_PX``; good pages as a thumbnail, ``THUMB_PX``, so that a night of 10,000 pages stays a file a
@@ -20,7 +22,6 @@ from __future__ import annotations
 import base64
 import html
 import io
-import re
 import socket
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,6 +30,7 @@ from typing import Any
 from loguru import logger
 
 from db.models import RunEnd
+from ingest.files import uflash_command
 from ingest.ledger.owners import is_gone
 from ingest.logs import counted
 from ingest.pages.orientation import turn
@@ -92,14 +94,9 @@ _FIGURES = ("finish_reason", "tokens", "chars", "plain_chars", "ink_chars", "cha
             "neighbour_chars_ratio")
 
 
-def shell_arg(s: str) -> str:
-    """``s`` as one argument in a POSIX shell and in Windows cmd (double quotes only where needed)."""
-    return s if re.fullmatch(r"[\w./:\\=+-]+", s) else '"' + s.replace('"', '\\"') + '"'
-
-
 def rerun_prefix(config_file: str | None, mode: str = "lossless") -> str:
     """``uflash [--config FILE] rerun --mode MODE``: the start of every command the page copies."""
-    return "uflash " + (f"--config {shell_arg(config_file)} " if config_file else "") + f"rerun --mode {mode}"
+    return uflash_command(config_file, "rerun", "--mode", mode)
 
 
 def _text_html(text: str, confidences: Sequence[float | None] | None, unsure: float, page_key: str) -> str:
@@ -176,6 +173,17 @@ def _page_html(d: dict[str, Any], p: dict[str, Any], image: str | None, rerun: s
             f"</section>")
 
 
+def _files_html(files: list[dict[str, Any]]) -> str:
+    """What became of every file of the run, one line each."""
+    if not files:
+        return ""
+    e = html.escape
+    items = "".join(f"<li class='f-{e(f['outcome'])}'><strong>{e(f['outcome'])}</strong> {e(f['words'])}</li>"
+                    for f in files)
+    return f"<section class='files' aria-labelledby='files-h'><h2 id='files-h'>files of this run</h2><ul>{items}</ul>" \
+           "</section>"
+
+
 def render_html(rep: dict[str, Any], images: dict[int, str] | None = None, config_file: str | None = None,
                 unsure: float = 0.5) -> str:
     """The review page (``images``: page_id -> image data URI; ``config_file``: the config the commands name)."""
@@ -204,7 +212,8 @@ def render_html(rep: dict[str, Any], images: dict[int, str] | None = None, confi
              "</span></div><pre id='command' aria-label='re-run commands of the picked pages'></pre>"
              "<div class='keys'>keys: j / k next / previous page, x pick it, c copy the commands of the picked pages, "
              "a g f p r show all / good / fair / poor / repaired pages; hover or focus a box or its text to see the "
-             "other; <mark class='unsure'>marked</mark> words: the model was unsure of them</div></header><main>"]
+             "other; <mark class='unsure'>marked</mark> words: the model was unsure of them</div></header><main>",
+             _files_html(rep.get("files") or [])]
     for d in rep["documents"]:
         parts.append(f"<h2 data-doc='{d['id']}'>{e(d['name'])} <small>({counted(d['page_count'], 'page')}; document "
                      f"{d['id']})</small></h2>")

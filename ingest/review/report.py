@@ -4,7 +4,8 @@ text, boxes and reasons, rendered from the archived original; one self-contained
 
 A run is one ``uflash run``, one batch of a ``uflash watch`` process or one ``uflash rerun`` (ingest.worker.lifecycle),
 and its report shows the pages that run decoded, nothing earlier: its size and the time to render its thumbnails grow
-with that run's work, not with the ledger."""
+with that run's work, not with the ledger. It first says what became of every file the run touched, one line each
+(ingest.review.outcomes): its documents, and the duplicates and refused files it took in."""
 
 from __future__ import annotations
 
@@ -13,21 +14,23 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from db.runs import get_run, latest_run_with_pages, run_pages
+from db.runs import get_run, latest_run_with_work, run_pages
 from db.session import Database
 from ingest.errors import UsageError
 from ingest.logs import counted
 from ingest.pages.orientation import page_turn
 from ingest.quality.calibration import NOT_CALIBRATED, uncalibrated_pages
 from ingest.review.assets import REVIEW_PX, THUMB_PX
+from ingest.review.outcomes import outcome_line, run_outcomes
 from ingest.review.page import page_images, render_html, repair_note, run_span
 
 
 def collect_report(db: Database, run_id: int | None = None, grade: str | None = None) -> dict[str, Any]:
-    """The pages of run ``run_id`` (default: the latest run with pages), optionally only those of ``grade``."""
-    run_id = run_id if run_id is not None else latest_run_with_pages(db)
+    """What became of the files of run ``run_id`` (default: the latest run that stored pages or took files in) and the
+    pages it stored, optionally only those of ``grade``."""
+    run_id = run_id if run_id is not None else latest_run_with_work(db)
     if run_id is None:
-        return {"run": None, "documents": [], "pages": 0, "grades": {}}
+        return {"run": None, "files": [], "documents": [], "pages": 0, "grades": {}}
     run = get_run(db, run_id)
     if run is None:
         raise UsageError(f"no run {run_id}")
@@ -60,7 +63,8 @@ def collect_report(db: Database, run_id: int | None = None, grade: str | None = 
                     "end_reason": run.end_reason, "owner": run.owner, "settings": run.settings,
                     "pages_per_hour": pages_per_hour(len(rows), run.started_at,
                                                    max((p.created_at for p, _ in rows), default=None))},
-            "documents": list(docs.values()), "pages": n_pages, "grades": grades,
+            "files": run_outcomes(db, run.id, {doc.id for _, doc in rows}), "documents": list(docs.values()),
+            "pages": n_pages, "grades": grades,
             "not_calibrated": NOT_CALIBRATED.format(n=uncalibrated) if uncalibrated else None}
 
 
@@ -78,13 +82,15 @@ def _utc(t: datetime) -> datetime:
 
 def format_report(rep: dict[str, Any]) -> str:
     if rep["run"] is None:
-        return "no pages stored yet"
+        return "no run yet: nothing decoded or taken in"
     r = rep["run"]
     rate = f" ({r['pages_per_hour']:,.0f} pages/hour)" if r.get("pages_per_hour") else ""
+    grades = "  ".join(f"{g} {n}" for g, n in sorted(rep["grades"].items()))
     lines = [f"run {r['id']} ({r['mode']}, {r['model']}; {run_span(r)}): {counted(rep['pages'], 'page')}{rate}  "
-             + "  ".join(f"{g} {n}" for g, n in sorted(rep["grades"].items()))]
+             f"{grades}".rstrip()]
     if rep.get("not_calibrated"):
         lines.append(rep["not_calibrated"])
+    lines += map(outcome_line, rep["files"])
     for d in rep["documents"]:
         lines += ["", f"#{d['id']} {d['name']} ({counted(d['page_count'], 'page')})",
                   f"  {'page':>4}  {'grade':<5}  {'finish':<14} {'tau':>6} {'tok/s':>8}  reasons"]

@@ -24,9 +24,9 @@ from db.runs import runs
 from db.session import Database
 from ingest.config import Settings
 from ingest.errors import infrastructure_problem
-from ingest.files import file_away
+from ingest.files import file_away, free_name
 from ingest.intake.failed import file_failed
-from ingest.outputs.write import holds_another_document, output_folder, write_document_outputs
+from ingest.outputs.write import holds_another_document, write_document_outputs
 from ingest.quality.calibration import grading_thresholds
 from ingest.quality.grades import grade_document, plain_text
 
@@ -73,7 +73,7 @@ class Finisher:
         # the scan under the searchable PDF: the archived original on a re-run, else the one still in place
         scan = next((Path(q) for q in (doc.archived_path, doc.original_path) if q and Path(q).exists()), None)
         try:
-            folder = self._output_folder(doc)
+            folder, archive_name = self._places(doc)
             md, _ = write_document_outputs(folder, document, run, page_dicts, source=scan,
                                            formats=self.settings.outputs.formats)
         except OSError as e:  # a file in the way, access denied, a name or path the OS refuses
@@ -81,11 +81,11 @@ class Finisher:
                 raise
             return self._not_finished(doc, f"outputs could not be written: {e}")
         archived, error, src = None, None, Path(doc.original_path)
-        if doc.archived_path and Path(doc.archived_path).exists():
+        if archive_name is None:
             archived = Path(doc.archived_path)  # archived by an earlier pass (this is a re-run)
         elif src.exists():
             try:
-                archived = file_away(src, self.settings.archive, self.settings.inbox)
+                archived = file_away(src, self.settings.archive, self.settings.inbox, archive_name)
             except OSError as e:
                 if infrastructure_problem(e):
                     raise
@@ -97,17 +97,37 @@ class Finisher:
         logger.success("{} done: {}", doc.original_name, md)
         return folder
 
-    def _output_folder(self, doc: Document) -> Path:
-        """Where the document's outputs go: the folder they were written to before (a re-run, or a retry, rewrites
-        them there, even when that was a `uflash run --out DIR`), or, the first time, or when the place of that
-        folder is gone or another document has taken the folder, a folder of its own in the outbox."""
-        if doc.output_dir:
-            earlier = Path(doc.output_dir)
-            if earlier.parent.is_dir() and not holds_another_document(earlier, doc.sha256):
-                return earlier
+    def _places(self, doc: Document) -> tuple[Path, str | None]:
+        """Where the document's outputs go, and the name its original is archived under (None: it is archived
+        already). The folder they were written to before is kept (a re-run, or a retry, rewrites them there, even
+        when that was a `uflash run --out DIR`), and so is the archived original. Else one name serves both, by the
+        rule for names in use (ingest.files.free_name): the original's name, or "stem (2).ext", ..., the first under
+        which the archive holds no file and the outbox no other document's folder, so that the original archived as
+        "sample (2).pdf" has its outputs in "sample (2)"."""
+        outbox, archive = self.settings.outbox, self.settings.archive
+        earlier = Path(doc.output_dir) if doc.output_dir else None
+        if earlier is not None and (not earlier.parent.is_dir() or holds_another_document(earlier, doc.sha256)):
             logger.warning("{}: {}, where its outputs were written before, is gone or holds another document: "
-                           "written to the outbox {}", doc.original_name, earlier, self.settings.outbox)
-        return output_folder(self.settings.outbox, doc.original_name, doc.sha256)
+                           "written to the outbox {}", doc.original_name, earlier, outbox)
+            earlier = None
+        archived = Path(doc.archived_path) if doc.archived_path and Path(doc.archived_path).exists() else None
+
+        def folder_of(name: str) -> Path:
+            return outbox / (Path(name).stem or "document")
+
+        def archive_taken(name: str) -> bool:
+            return (archive / name).exists() or (archive / f"{name}.error.txt").exists()
+
+        def folder_taken(name: str) -> bool:
+            return holds_another_document(folder_of(name), doc.sha256)
+
+        if earlier is not None:
+            return earlier, None if archived else free_name(earlier.name + Path(doc.original_name).suffix,
+                                                            archive_taken)
+        if archived is not None:
+            return folder_of(free_name(archived.name, folder_taken)), None
+        name = free_name(doc.original_name, lambda n: archive_taken(n) or folder_taken(n))
+        return folder_of(name), name
 
     def _not_finished(self, doc: Document, reason: str, output_dir: Path | None = None) -> None:
         """Fail a document whose chunks are all done with ``reason``. Nothing is lost: its pages stay in the ledger and

@@ -1,6 +1,7 @@
 """One run's life, the same for ``uflash watch`` (one run per batch: until the queue runs dry), ``uflash run`` and
-``uflash rerun``: the run is opened when the worker decodes its first chunk (loading the model), the worker serves,
-the run is closed when its work or the command ends (Ctrl+C and SIGTERM included), and its HTML report is written.
+``uflash rerun``: the run is opened when the worker decodes its first chunk (loading the model) or when a file taken in
+becomes nothing to decode (a refused file, a duplicate: ``RunHandle.taking_in``), the worker serves, the run is closed
+when its work or the command ends (Ctrl+C and SIGTERM included), and its HTML report is written.
 
 Every page records the run that produced it. A process killed outright leaves its run open and its chunks leased:
 the next uflash worker on the same host finds its process gone (ingest.ledger.owners), takes its chunks over at once and
@@ -15,14 +16,16 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from loguru import logger
 
 import engine
 from db.queue import end_leases_of_gone_owners
-from db.runs import close_run, close_runs_of_gone_owners, open_run
+from db.runs import close_run, close_runs_of_gone_owners, describe_run, open_run
 from db.session import Database
 from ingest.config import Settings
 from ingest.errors import ExitCode, ModelUnavailable, infrastructure_problem
@@ -33,37 +36,61 @@ from ingest.worker.finish_queue import FinishQueue
 
 
 class RunHandle:
-    """A worker's run: opened on first use, closed once; a later use opens a new one."""
+    """The run of one command or one batch of a watcher: opened when it first decodes a chunk (``open``: the model is
+    loaded, and the run records it) or takes in a file that becomes nothing to decode (``taking_in``: a refused file,
+    a duplicate; the run records the configured mode and model until it decodes), closed once (``close``); a later use
+    opens a new one. A watcher's intake takes files in while its worker decodes and closes runs: a file is recorded
+    with its run while that run is held open (a lock), so no run is closed and reported before a file it took."""
 
-    def __init__(self, db: Database, owner: str, decoder: Callable[[], Any], finisher: Finisher,
-                 rerun: dict[str, Any] | None = None):
-        self.db, self.owner, self.decoder, self.finisher, self.rerun = db, owner, decoder, finisher, rerun
+    def __init__(self, db: Database, settings: Settings, owner: str, rerun: dict[str, Any] | None = None):
+        self.db, self.settings, self.owner, self.rerun = db, settings, owner, rerun
         self.id: int | None = None
+        self._described = False  # the run records what decodes in it (not only what is configured)
+        self._lock = threading.RLock()
 
-    def open(self) -> int:
-        """This worker's run, opened now if it has none (loading the model: the run records what decodes)."""
-        if self.id is None:
-            d = self.decoder()
-            self.id = open_run(self.db, d.mode, d.model_name, engine.__version__, socket.gethostname(), self.owner,
-                               {**d.describe(), **(self.rerun or {})})
-        return self.id
+    def open(self, decoder: Callable[[], Any]) -> int:
+        """This run, opened now if none is open, recording ``decoder()`` (loaded first, if it is not yet)."""
+        if self.id is not None and self._described:
+            return self.id
+        d = decoder()  # loading the model takes a while: files are taken in meanwhile
+        with self._lock:
+            described = {**d.describe(), **(self.rerun or {})}
+            if self.id is None:
+                self.id = open_run(self.db, d.mode, d.model_name, engine.__version__, socket.gethostname(),
+                                   self.owner, described)
+            elif not self._described:
+                describe_run(self.db, self.id, d.mode, d.model_name, described)
+            self._described = True
+            return self.id
+
+    @contextmanager
+    def taking_in(self) -> Iterator[int]:
+        """The run a file taken in now belongs to, opened now if none is open, and held open until the file is
+        recorded."""
+        with self._lock:
+            if self.id is None:
+                path = Path(self.settings.model_path)
+                self.id = open_run(self.db, self.settings.engine.mode, path.name if path.exists() else str(path),
+                                   engine.__version__, socket.gethostname(), self.owner, dict(self.rerun or {}))
+            yield self.id
 
     def reserved(self) -> int | None:
         """The run that chunks split off by this worker are reserved for (a re-run's), else None."""
         return self.id if self.rerun is not None else None
 
-    def close(self) -> int | None:
-        """Close the run, if one is open, and return its id. A re-run stopped before its end cancels the chunks still
-        reserved for it (db.runs) and rewrites the outputs of the documents it re-decoded pages of."""
-        run_id = self.id
-        if run_id is not None:
+    def close(self) -> tuple[int | None, list[int]]:
+        """Close the run, if one is open: its id (None: none was open) and the documents whose chunks still reserved
+        for it were cancelled (a re-run stopped before its end: db.runs)."""
+        with self._lock:
+            run_id = self.id
+            if run_id is None:
+                return None, []
             docs = close_run(self.db, run_id)
-            self.id = None  # only once closed: a ledger that failed to close it is asked again
-            if docs:
-                logger.warning("run {} stopped before it finished: its chunks left in {} document(s) are cancelled; "
-                               "`uflash rerun` again picks their pages", run_id, len(docs))
-            self.finisher.rewrite_after_rerun(run_id, docs)
-        return run_id
+            self.id, self._described = None, False  # only once closed: a ledger that failed to close it is asked again
+        if docs:
+            logger.warning("run {} stopped before it finished: its chunks left in {} document(s) are cancelled; "
+                           "`uflash rerun` again picks their pages", run_id, len(docs))
+        return run_id, docs
 
 
 def take_over_from_the_gone(settings: Settings, db: Database, finisher: Finisher | FinishQueue) -> None:

@@ -89,12 +89,13 @@ class Worker:
     fresh_run: dict[str, Any] | None = None  # a re-run: its run records these settings; its own chunks only
     document_ids: frozenset[int] | None = None  # only these documents' chunks (uflash run FILE...); None: any
     trouble: Trouble | None = None  # the ledger's or the machine's trouble, if any (made from the settings)
+    run: RunHandle | None = None  # the run it decodes in (a command's, which took its files in); None: its own
 
     def __post_init__(self) -> None:
         self.trouble = self.trouble or Trouble(self.settings.logs, "worker")
         self.finisher = Finisher(self.settings, self.db, self.document_ids)
         self.finishing = FinishQueue(self.finisher)
-        self.run = RunHandle(self.db, self.owner, self.decoder, self.finisher, self.fresh_run)
+        self.run = self.run or RunHandle(self.db, self.settings, self.owner, self.fresh_run)
         self.turns = Turns(self.settings)
         self.pool = preparation_pool(self.settings)  # its processes start with the first chunk claimed
         self.leases = LeaseKeeper(self.db, self.settings.worker)
@@ -122,10 +123,15 @@ class Worker:
         return self._decoder
 
     def run_id(self) -> int:
-        return self.run.open()
+        return self.run.open(self.decoder)
 
     def close_run(self) -> int | None:
-        return self.run.close()
+        """Close the run, if one is open (its id; None: none was open); a re-run stopped before its end rewrites the
+        outputs of the documents it re-decoded pages of."""
+        run_id, docs = self.run.close()
+        if run_id is not None:
+            self.finisher.rewrite_after_rerun(run_id, docs)
+        return run_id
 
     def close(self) -> None:
         """Stop the page-preparation processes and give the decoder's device memory back (a later ``serve`` starts
@@ -298,7 +304,7 @@ class Worker:
             return self._file_failed([c.document_id])
         try:
             decoder = self.decoder()
-            self.run.open()
+            self.run_id()
         except ModelUnavailable as e:
             self.leases.drop(c)
             release(self.db, c, reason=f"model unavailable: {e}")
@@ -371,7 +377,7 @@ class Worker:
         note = chunk_note(out, ranges)
         try:
             ready = self.trouble.retrying(f"cannot store {chunk.label}", self._stop, lambda: store_chunk(
-                self.db, c, self.run.open(), rows, new_ranges=ranges, note=note, stats=out.chunk_stats,
+                self.db, c, self.run_id(), rows, new_ranges=ranges, note=note, stats=out.chunk_stats,
                 output_ids=out.output_ids, reserved_for=self.run.reserved()))
         except LeaseLost:  # taken over by another worker (or stored by this one before the ledger failed)
             return logger.warning("{}: lease lost before storing; dropping the result", chunk.label)
