@@ -10,8 +10,9 @@ really committed, against what was expected of them, scales the expected gain do
 the records overrate does not keep buying wide steps.
 
 **Cost.** Measured, never assumed: the wall time of the steps run so far (an exponential average per rows bucket,
-prefix bucket, width and whether the block drafter drafted; the first step of each is dropped, one-off work lands
-there). A cell (rows, prefix) runs width 1 first, so plain decoding is always the measured baseline. A width not
+prefix bucket, width and whether the block drafter drafted; the first ``DROPPED`` steps of each are left out: one-off
+work lands there, the first runs of a shape on the CPU, the eager run before a CUDA graph is captured). A width whose
+first measures were inflated would otherwise look too dear ever to be tried again. A cell (rows, prefix) runs width 1 first, so plain decoding is always the measured baseline. A width not
 yet run in a cell costs what the nearest cell that ran it and width 1 says it costs relative to width 1; else it is
 interpolated between the cell's known widths, or, above them all, extrapolated along the line through the two
 widest (never falling). With only width 1 known, the next width is priced at width 1's cost and tried when it
@@ -43,6 +44,7 @@ import numpy as np
 PRIOR_WEIGHT = 4.0  # rounds of weight the drafter-wide record has against a row's own
 EMA = 0.2
 DECAY = 0.97  # a step: the drafter-wide acceptance record fades (about the last 30 steps count)
+DROPPED = 2  # measures of a (rows, prefix, width, block) left out before its cost is kept
 MARGIN = 1.03  # a wide step must promise this many times plain decoding's tokens per second
 REFRESH_EVERY = 32  # a cell running wide steps runs one plain step this often
 SKIP_AFTER = 8  # plain steps in a row after which the rows stop drafting ...
@@ -66,7 +68,7 @@ class StepWidth:
         self.calibration = 1.0  # committed beyond one a row / expected of wide steps (EMA)
         self.steps = 0
         self.probes = 0
-        self._seen: set[tuple[int, int, int, bool]] = set()
+        self._seen: dict[tuple[int, int, int, bool], int] = {}  # measures left out so far
         self._priors: dict[str, list[float]] = {}  # drafter -> its prior per position (see _prior)
         self._plain_run = 0  # plain steps since the last wide step that was not a probe (measuring steps aside)
         self._measuring = False  # this step runs plain to measure it, not because plain won
@@ -217,7 +219,7 @@ class StepWidth:
                 committed: int = 0, n_rows: int = 0, draft_seconds: float | None = None) -> None:
         """A step ran: its width, its wall time without the rows' host drafting (None: not a measure of cost, e.g. it
         captured graphs), the tokens it committed over its ``n_rows`` rows, and the host drafting time when its rows
-        drafted. The first time of each (rows, prefix, width, block) is dropped."""
+        drafted. The first ``DROPPED`` times of each (rows, prefix, width, block) are left out."""
         cell = (rows, prefix)
         if draft_seconds is not None:
             old = self.draft_cost.get(rows)
@@ -242,8 +244,8 @@ class StepWidth:
         key = (rows, prefix, width, block)
         if seconds is None:
             return
-        if key not in self._seen:
-            self._seen.add(key)
+        if self._seen.get(key, 0) < DROPPED:
+            self._seen[key] = self._seen.get(key, 0) + 1
             return
         old = self.cost.get(key)
         self.cost[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
