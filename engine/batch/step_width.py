@@ -12,8 +12,8 @@ the records overrate does not keep buying wide steps.
 **Cost.** Measured, never assumed: the wall time of the steps run so far (an exponential average per rows bucket,
 prefix bucket, width and whether the block drafter drafted; the first ``DROPPED`` steps of each are left out: one-off
 work lands there, the first runs of a shape on the CPU, the eager run before a CUDA graph is captured). A width whose
-first measures were inflated would otherwise look too dear ever to be tried again. A cell (rows, prefix) runs width 1 first, so plain decoding is always the measured baseline. A width not
-yet run in a cell costs what the nearest cell that ran it and width 1 says it costs relative to width 1; else it is
+first measures were inflated would otherwise look too dear ever to be tried again. A cell (rows, prefix) runs width 1
+first, so plain decoding is always the measured baseline. A width not yet run in a cell costs what the nearest cell that ran it and width 1 says it costs relative to width 1; else it is
 interpolated between the cell's known widths, or, above them all, extrapolated along the line through the two
 widest (never falling). With only width 1 known, the next width is priced at width 1's cost and tried when it
 looks best, the wider ones wait: exploration climbs from narrow to wide, so where a step's cost grows with its
