@@ -9,15 +9,15 @@ record fades (``DECAY`` a step), so what the last pages showed counts, not what 
 really committed, against what was expected of them, scales the expected gain down (``calibration``): acceptance that
 the records overrate does not keep buying wide steps.
 
-**Cost.** Measured, never assumed: the wall time of the steps run so far (an exponential average per rows bucket,
-prefix bucket, width and whether the block drafter drafted; the first ``DROPPED`` steps of each are left out: one-off
-work lands there, the first runs of a shape on the CPU, the eager run before a CUDA graph is captured). A width whose
-first measures were inflated would otherwise look too dear ever to be tried again. A cell (rows, prefix) runs width 1
-first, so plain decoding is always the measured baseline. A width not yet run in a cell costs what the nearest cell that ran it and width 1 says it costs relative to width 1; else it is
-interpolated between the cell's known widths, or, above them all, extrapolated along the line through the two
-widest (never falling). With only width 1 known, the next width is priced at width 1's cost and tried when it
-looks best, the wider ones wait: exploration climbs from narrow to wide, so where a step's cost grows with its
-width (many rows, short prefixes) no very wide step is ever tried at a loss.
+**Cost.** Measured, never assumed: the wall time of the steps run so far (an exponential average per rows bucket, prefix
+bucket, width and whether the block drafter drafted; the first ``DROPPED`` steps of each are left out: one-off work
+lands there, the first runs of a shape on the CPU, the eager run before a CUDA graph is captured). A width whose first
+measures were inflated would otherwise look too dear ever to be tried again. A cell (rows, prefix) runs width 1 first,
+so plain decoding is always the measured baseline. A width not yet run in a cell costs what the nearest cell that ran it
+and width 1 says it costs relative to width 1; else it is interpolated between the cell's known widths, or, above them
+all, extrapolated along the line through the two widest (never falling). With only width 1 known, the next width is
+priced at width 1's cost and tried when it looks best, the wider ones wait: exploration climbs from narrow to wide, so
+where a step's cost grows with its width (many rows, short prefixes) no very wide step is ever tried at a loss.
 
 **Host drafting.** The rows' drafts are made on the host before the step runs, so a step whose rows draft costs
 their drafting time too (measured per rows bucket: ``draft_cost``), on top of the step's own time (the cost table
