@@ -95,8 +95,8 @@ def test_batches_equal_official_for_every_chunk(models, official, window, equal_
         results = decode_all(loaded, expected, "lossless", 3, drafts=how, name=window)
         assert [r.output_ids for r in results] == expected, how
         taus = [r.stats["tau"] for r in results]  # right drafts: long accepted runs, once the width choice measured
-        # plain and climbed from narrow widths (a 50-token chunk spends a few rounds on that)
-        assert (min(taus) > 4) if how == "right" else (max(taus) == 0 if how == "wrong" else 0 < max(taus) < 8)
+        # plain (its first measures left out) and climbed from narrow widths (a 50-token chunk spends a few rounds on that)
+        assert (min(taus) > 3) if how == "right" else (max(taus) == 0 if how == "wrong" else 0 < max(taus) < 8)
 
 
 def test_rule_fires_inside_batches_and_is_followed(models, official, monkeypatch):

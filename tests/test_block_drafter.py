@@ -387,7 +387,7 @@ def test_chunks_with_a_full_copy_source_decode_without_the_block_drafter(tiny):
     assert "block" in names(both, ["page one text"])
 
 
-def test_train_drafter_decodes_with_the_init_drafter_and_live_checks_after_a_warmup(tmp_path, monkeypatch):
+def test_train_drafter_decodes_with_the_init_drafter_and_live_checks_after_a_warmup(tmp_path, monkeypatch, equal_step_costs):
     """`--data decode --init D` decodes the teacher pages with `lossless` + D in one batch (same tokens, or the
     teacher forward would refuse them); `--eval-only` live-checks a drafter after one untimed warm-up chunk on both
     sides, each chunk alone and (`--eval-batch`) all in one batch. Each timed decode is given a known time (plain 3 s,
@@ -425,8 +425,9 @@ def test_train_drafter_decodes_with_the_init_drafter_and_live_checks_after_a_war
     assert (ev["plain_s"], ev["block_s"], ev["speedup_vs_plain"]) == (6.0, 4.0, 1.5)  # two chunks, each alone
     assert (ev["plain_tok_s"], ev["block_tok_s"]) == (round(100 / 6.0, 1), 100 / 4.0)  # tokens a second
     # the timed chunks verify block drafts only while the width policy expects them to pay, and after the warm-up it
-    # knows this barely trained drafter's record: a step-time matter on a busy machine. Its positions: none, those of
-    # the narrower widths it climbs through or probes with, or k_max.
+    # knows this barely trained drafter's record (every step costs it the same here: equal_step_costs, so the shapes
+    # do not depend on the machine's load). Its positions: those of the narrower widths it climbs through or probes
+    # with, or k_max.
     assert len(ev["acceptance_by_position"]) <= 4 and any(w.endswith("+block") for w in ev["ms_step_by_width"])
     assert main([*common, "--eval-only", "--init", str(second), "--eval-pages", "3", "--eval-batch",
                  "--no-eval-warmup", "--json", str(record_path)]) == 0
