@@ -155,3 +155,16 @@ def test_host_drafting_is_paid_for_by_the_tokens_it_buys():
     chooser.observe(ROWS, PREFIX, 1, False, 0.010, ROWS, ROWS, draft_seconds=0.002)
     assert chooser.choose(ROWS, PREFIX, [[0.1] + [0.0] * 3] * ROWS, False) == 1
     assert chooser.choose(ROWS, PREFIX, [[0.9, 0.8, 0.7]] * ROWS, False) == 4
+
+
+def test_a_busy_host_spike_does_not_make_a_width_look_dear_for_the_rest_of_the_run():
+    """Five wide steps that ran while the host was busy (20x their cost) move it less than 3x, so good drafts keep
+    their width; a faster step moves it by the usual ``EMA``."""
+    chooser = measured({1: 0.010, 17: 0.015})
+    for _ in range(5):
+        chooser.observe(ROWS, PREFIX, 17, False, 0.300)
+    spiked = chooser.cost[ROWS, PREFIX, 17, False]
+    assert spiked < 3 * 0.015
+    assert chooser.choose(ROWS, PREFIX, [flat(0.95)] * ROWS, False) == 17
+    chooser.observe(ROWS, PREFIX, 17, False, 0.005)
+    assert chooser.cost[ROWS, PREFIX, 17, False] == pytest.approx((1 - sw.EMA) * spiked + sw.EMA * 0.005)

@@ -10,12 +10,14 @@ really committed, against what was expected of them, scales the expected gain do
 the records overrate does not keep buying wide steps.
 
 **Cost.** Measured, never assumed: the wall time of the steps run so far (an exponential average per rows bucket, prefix
-bucket, width and whether the block drafter drafted; the first ``DROPPED`` steps of each are left out: one-off work
-lands there, the first runs of a shape on the CPU, the eager run before a CUDA graph is captured). A width whose first
-measures were inflated would otherwise look too dear ever to be tried again. A cell (rows, prefix) runs width 1 first,
-so plain decoding is always the measured baseline. A width not yet run in a cell costs what the nearest cell that ran it
-and width 1 says it costs relative to width 1; else it is interpolated between the cell's known widths, or, above them
-all, extrapolated along the line through the two widest (never falling). With only width 1 known, the next width is
+bucket, width and whether the block drafter drafted, moved by ``EMA`` towards a faster step and by ``EMA_UP`` only
+towards a slower one: a host busy with other work slows the steps that happen to run then, and a width whose few steps
+met such a spike must not look dear for the rest of the run; the first ``DROPPED`` steps of each are left out: one-off
+work lands there, the first runs of a shape on the CPU, the eager run before a CUDA graph is captured). A width whose
+first measures were inflated would otherwise look too dear ever to be tried again. A cell (rows, prefix) runs width 1
+first, so plain decoding is always the measured baseline. A width not yet run in a cell costs what the nearest cell that
+ran it and width 1 says it costs relative to width 1; else it is interpolated between the cell's known widths, or, above
+them all, extrapolated along the line through the two widest (never falling). With only width 1 known, the next width is
 priced at width 1's cost and tried when it looks best, the wider ones wait: exploration climbs from narrow to wide, so
 where a step's cost grows with its width (many rows, short prefixes) no very wide step is ever tried at a loss.
 
@@ -43,6 +45,7 @@ import numpy as np
 
 PRIOR_WEIGHT = 4.0  # rounds of weight the drafter-wide record has against a row's own
 EMA = 0.2
+EMA_UP = 0.02  # a step slower than its cost so far moves the cost this little: a busy host's spikes pass
 DECAY = 0.97  # a step: the drafter-wide acceptance record fades (about the last 30 steps count)
 DROPPED = 2  # measures of a (rows, prefix, width, block) left out before its cost is kept
 MARGIN = 1.03  # a wide step must promise this many times plain decoding's tokens per second
@@ -248,4 +251,5 @@ class StepWidth:
             self._seen[key] = self._seen.get(key, 0) + 1
             return
         old = self.cost.get(key)
-        self.cost[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        rate = EMA if old is None or seconds <= old else EMA_UP
+        self.cost[key] = seconds if old is None else (1 - rate) * old + rate * seconds
