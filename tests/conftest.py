@@ -22,6 +22,13 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Tests in parallel (pytest-xdist, README's `-n 2`): every worker, and every process a test starts (uflash, its page
+# preparation processes), computes on one thread. Two workers running two OpenMP threads each on two cores spin
+# against each other: a demo-model test took 279 s instead of 18 s, for twice the processor time.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ROOT.parent / "shared" / "samples" / "real"
 DEMO = ROOT / "models" / "demo"  # the shipped demo model (with its block drafter)

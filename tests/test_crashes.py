@@ -20,6 +20,9 @@ from ingest.worker.crash_hook import VARIABLE
 from tests.conftest import SQLITE_URL, make_pdf, uflash, worker_config
 from tests.test_worker import start_uflash
 
+# run in parallel, this module's tests stay on one worker: the uninterrupted run they compare with, once
+pytestmark = pytest.mark.xdist_group("crashes")
+
 DOCS, PAGES = 5, 3
 MARKER = "KILLS-THE-WORKER"
 

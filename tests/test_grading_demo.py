@@ -14,7 +14,7 @@ from ingest.quality.measures import Thresholds, normalized_edit_distance
 from ingest.synth.documents import make_document, strip_markup
 from tests.conftest import DEMO, ROOT, needs_demo, uflash, write_config
 
-pytestmark = needs_demo
+pytestmark = [needs_demo, pytest.mark.xdist_group("grading_demo")]  # run in parallel: on one worker, the run once
 
 # Pages the demo model reads correctly (CER <= 0.03 against the truth; the bundled example has no truth file but
 # reads word for word), with the grade the rules before calibration gave them (recorded with that code, this run):

@@ -25,6 +25,9 @@ from ingest.review.report import collect_report, render_html
 from ingest.worker.worker import Worker
 from tests.conftest import SQLITE_URL, fresh_pg_database, make_pdf, serve_until, uflash, worker_config
 
+# run in parallel, this module's tests stay on one worker: the runs of the `review` fixture and the browser, once
+pytestmark = pytest.mark.xdist_group("review")
+
 PAGES = ["Register of deeds. Entry one, 1851.", "Entry two: a parish record.", "Entry three, the index."]
 
 

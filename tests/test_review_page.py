@@ -31,7 +31,8 @@ from tests.conftest import DEMO, SAMPLES, needs_demo, serve_until, worker_config
 WORDS = "minutes register parish entry accounts letter council year page record index deed".split()
 
 pytestmark = [pytest.mark.skipif(not SAMPLES.is_dir(), reason="../shared/samples/real not present"),
-              needs_demo]
+              needs_demo,
+              pytest.mark.xdist_group("review_page")]  # run in parallel: on one worker, the run and browser once
 
 
 def blocks(image, most: int = 10) -> list[tuple[int, int, int, int]]:
