@@ -22,8 +22,9 @@ priced at width 1's cost and tried when it looks best, the wider ones wait: expl
 where a step's cost grows with its width (many rows, short prefixes) no very wide step is ever tried at a loss.
 
 **Host drafting.** The rows' drafts are made on the host before the step runs, so a step whose rows draft costs
-their drafting time too (measured per rows bucket: ``draft_cost``), on top of the step's own time (the cost table
-holds the step without it). A wide step must pay for both; plain decoding pays for neither.
+their drafting time too (measured per rows bucket: ``draft_cost``, averaged as the step costs are: a busy host's
+spike in one step's drafting must not switch drafting off for the rest of the chunk), on top of the step's own time
+(the cost table holds the step without it). A wide step must pay for both; plain decoding pays for neither.
 
 **Choice.** The width with the most expected tokens per second (drafting included), if it beats plain decoding by
 ``MARGIN``; else 1. Exploration is cheap and periodic:
@@ -226,7 +227,8 @@ class StepWidth:
         cell = (rows, prefix)
         if draft_seconds is not None:
             old = self.draft_cost.get(rows)
-            self.draft_cost[rows] = draft_seconds if old is None else (1 - EMA) * old + EMA * draft_seconds
+            rate = EMA if old is None or draft_seconds <= old else EMA_UP  # as the step costs: spikes pass
+            self.draft_cost[rows] = draft_seconds if old is None else (1 - rate) * old + rate * draft_seconds
         probed = self._probing or self._probe_drafts
         if self._probe_drafts and not self._probing:
             self.probes += 1  # the rows drafted for a probe and had nothing to verify: they stop drafting again
