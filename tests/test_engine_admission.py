@@ -309,7 +309,8 @@ def test_the_cache_grows_a_buffer_at_a_time_and_steps_down_by_a_tenth(loaded, mo
 
 def test_a_closed_engine_holds_no_buffers_and_a_dropped_one_goes_at_once(loaded):
     """``close`` frees the cache, the step buffers and the queue whoever still holds the engine; an engine nobody
-    holds is freed by reference counting alone (no cycle waits for the garbage collector)."""
+    holds is freed by reference counting alone (no cycle waits for the garbage collector). A closed engine refuses new
+    chunks."""
     import gc
     import weakref
 
@@ -318,6 +319,8 @@ def test_a_closed_engine_holds_no_buffers_and_a_dropped_one_goes_at_once(loaded)
     engine.submit(engine.prepare(CHUNKS[1], 8))
     engine.close()
     assert engine.kv.keys == [] and engine.forward.logits is None and not engine.busy and engine.graphs is None
+    with pytest.raises(RuntimeError, match="closed"):  # queued there, a chunk would wait for ever
+        engine.submit(engine.prepare(CHUNKS[0], 8))
     other = BatchEngine(loaded, "lossless", max_batch=2)
     other.run([other.prepare(CHUNKS[0], 8)])
     gone = weakref.ref(other)

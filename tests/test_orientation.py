@@ -173,7 +173,6 @@ def test_the_demo_model_reads_a_turned_scan_as_it_reads_the_upright_one(tmp_path
 
     data, _ = make_document(880_000, 1, scan=True)  # held out (training seeds are >= 1,000,000)
     upright = synth_pages(data, 1024)[0]
-    decoder = load_decoder(str(DEMO), "cpu", "float32", "lossless")
 
     def read(name: str, image: Image.Image, auto: bool = True) -> dict:
         folder = tmp_path / name
@@ -183,7 +182,9 @@ def test_the_demo_model_reads_a_turned_scan_as_it_reads_the_upright_one(tmp_path
         s.ensure_folders()
         db = Database(s.database_url)
         intake_file(db, s, image_pdf(s.inbox / f"{name}.pdf", [image]))
-        serve_until_done(Worker(s, db, lambda: decoder), db, timeout=600)
+        # each worker loads its own decoder: a worker's close gives its decoder's memory back for good
+        serve_until_done(Worker(s, db, lambda: load_decoder(str(DEMO), "cpu", "float32", "lossless")), db,
+                         timeout=600)
         report = format_report(collect_report(db))
         (thumb,) = page_images(str(s.archive / f"{name}.pdf"), "pdf", {1: THUMB_PX},
                                {1: collect_report(db)["documents"][0]["pages"][0]["turned"]}).values()

@@ -143,6 +143,8 @@ class BatchEngine:
         return ChunkRequest(key, inputs, kind, len(images), max_new_tokens, reference_texts, replay_ids)
 
     def submit(self, request: ChunkRequest) -> None:
+        if self.row_limit == 0:  # `close` gave the cache back: a chunk queued here would wait forever
+            raise RuntimeError("this engine was closed (its memory given back): load the model again to decode")
         self.pending.append(request)
 
     @property
@@ -225,7 +227,8 @@ class BatchEngine:
 
     def close(self) -> None:
         """Give the device memory back now: rows and queue dropped, the graphs, the key/value cache, the step buffers
-        and the block drafter's buffers freed, whoever still holds the engine. It cannot step again."""
+        and the block drafter's buffers freed, whoever still holds the engine. It cannot decode again: ``submit``
+        raises."""
         self.reset()
         if self.graphs is not None:
             self.graphs.close()
