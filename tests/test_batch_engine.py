@@ -136,7 +136,8 @@ def test_the_multi_page_rule_window_slides_inside_a_batch(models, official):
 def test_fast_mode_is_never_cut_short_and_counts_relaxed_tokens(models, official):
     loaded = models[8]
     expected = [official(8, i) for i in range(len(CHUNKS))]
-    results = decode_all(loaded, expected, "fast", 3, drafts="half", fast_threshold=0.01)
+    # every step drafts (no width choice): whether relaxed tokens appear must not hang on the host's timing
+    results = decode_all(loaded, expected, "fast", 3, drafts="half", fast_threshold=0.01, adaptive_width=False)
     assert [len(r.output_ids) for r in results] == [len(ids) for ids in expected]
     assert sum(r.stats["relaxed_tokens"] for r in results) > 0
 

@@ -147,9 +147,9 @@ def test_fast_mode_is_complete_and_lossless_at_threshold_one(loaded):
     pages = [text_page(5)]
     lossless = generate(loaded, pages, 80, "lossless")
     wrong = [(t + 3) % 300 for t in lossless.output_ids]  # a replay draft that is always a bit wrong
-    exact = generate(loaded, pages, 80, "fast", replay_ids=wrong, fast_threshold=1.0)
+    exact = generate(loaded, pages, 80, "fast", replay_ids=wrong, fast_threshold=1.0, adaptive_width=False)
     assert exact.output_ids == lossless.output_ids
-    loose = generate(loaded, pages, 80, "fast", replay_ids=wrong, fast_threshold=1e-6)
+    loose = generate(loaded, pages, 80, "fast", replay_ids=wrong, fast_threshold=1e-6, adaptive_width=False)
     assert loose.stats["mode"] == "fast" and loose.stats["relaxed_tokens"] > 0
     assert len(loose.output_ids) == 80  # never truncated: runs to the same limit
     assert loose.output_ids != lossless.output_ids
