@@ -178,11 +178,13 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 def worker_config(folder: Path, model_dir: Path, **sections: dict) -> Path:
     """A config for worker tests: the tiny model on the CPU, small chunks, short outputs, one chunk decoding at a time
-    (the batched worker's tests set ``engine.max_batch``), pages prepared in one process of their own (whatever the
-    machine's cores: one chunk is claimed ahead of the free rows)."""
+    (the batched worker's tests set ``engine.max_batch``), pages prepared on the worker's own thread: a preparation
+    process costs a process start and its imports, seconds on a 2-core machine, in every command a test runs. Tests of
+    kills and signals, and of the preparation processes, ask for ``worker.prepare_processes = 1`` (one chunk claimed
+    ahead of the free rows, whatever the machine's cores); test_prepare_pool shows the same pages out of either."""
     base = {"model": {"path": str(model_dir), "device": "cpu", "dtype": "float32"},
             "engine": {"max_pages_per_chunk": 4, "max_tokens_per_page": 30, "max_batch": 1},
-            "worker": {"prepare_processes": 1}}
+            "worker": {"prepare_processes": 0}}
     for k, v in sections.items():
         base.setdefault(k, {}).update(v)
     for sec in base.values():  # None means "leave the key out" (TOML has no null)

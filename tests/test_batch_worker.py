@@ -77,7 +77,8 @@ def test_sigkill_with_chunks_in_flight_loses_no_finished_chunk_and_duplicates_no
     """A watcher decoding up to 3 chunks at once is killed outright (SIGKILL) once it has stored some chunks and holds
     several others: the stored chunks stay stored (their pages once, their attempt not repeated), and the restart
     decodes the others, each page once."""
-    cfg = _config(tmp_path, tiny_model_dir, 3, worker={"lease_seconds": 300.0, "heartbeat_seconds": 1.0})
+    cfg = _config(tmp_path, tiny_model_dir, 3, worker={"lease_seconds": 300.0, "heartbeat_seconds": 1.0,
+                                                        "prepare_processes": 1})
     s, db, ids = _queue(tmp_path, cfg, docs=6, pages=2)
     proc = start_uflash(cfg, "watch")
 

@@ -34,7 +34,8 @@ def _config(folder: Path, model: Path, ledger_url: str, max_batch: int | str) ->
                          engine={"mode": "lossless", "max_batch": max_batch, "max_pages_per_chunk": 1,
                                  "max_tokens_per_page": 12},
                          orientation={"auto": False}, outputs={"formats": ["md", "json"]},
-                         worker={"lease_seconds": 300.0, "heartbeat_seconds": 1.0, "max_attempts": 3})
+                         worker={"lease_seconds": 300.0, "heartbeat_seconds": 1.0, "max_attempts": 3,
+                                 "prepare_processes": 1})
 
 
 def _documents(inbox: Path) -> list[Path]:

@@ -92,7 +92,7 @@ def test_leaving_on_an_error_finishes_only_what_is_in_hand():
 def test_a_worker_killed_while_it_finishes_a_document_leaves_it_to_the_next(tmp_path, tiny_model_dir):
     """`uflash watch` frozen and killed (SIGKILL) once a document's chunks are all stored and before it is finished:
     the restart finishes it (outputs written, original archived), its pages stored once."""
-    cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_pages_per_chunk": 1})
+    cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_pages_per_chunk": 1}, worker={"prepare_processes": 1})
     s = load_settings(cfg)
     s.ensure_folders()
     make_pdf(s.inbox / "three.pdf", 3)

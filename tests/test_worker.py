@@ -314,7 +314,8 @@ def test_worker_killed_mid_chunk_redoes_it_once(tmp_path, tiny_model_dir, ledger
     """A watcher killed outright (SIGKILL) mid-chunk: the restart takes the chunk over at once (its owner's process
     is gone), although the lease has most of its 300 s left, redoes it once, and closes the killed run as crashed."""
     cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_tokens_per_page": 100, "max_pages_per_chunk": 2},
-                        worker={"lease_seconds": 300.0, "heartbeat_seconds": 1.0}, database={"url": ledger_url})
+                        worker={"lease_seconds": 300.0, "heartbeat_seconds": 1.0, "prepare_processes": 1},
+                        database={"url": ledger_url})
     s = load_settings(cfg)
     s.ensure_folders()
     make_pdf(s.inbox / "four.pdf", 4)
@@ -374,7 +375,7 @@ def _rerun_frozen(tmp_path, tiny_model_dir, pages_stored, ledger_url):
     """six.pdf decoded by `uflash run` (run 1, a chunk per page), then `uflash rerun --doc 1` started and frozen
     while it holds a chunk, once it stored ``pages_stored`` pages (run 2). Returns (cfg, settings, db, proc)."""
     cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_tokens_per_page": 100, "max_pages_per_chunk": 1},
-                        database={"url": ledger_url})
+                        database={"url": ledger_url}, worker={"prepare_processes": 1})
     s = load_settings(cfg)
     s.ensure_folders()
     r = uflash("--config", str(cfg), "run", str(make_pdf(s.inbox / "six.pdf", 6)), timeout=600)
@@ -652,7 +653,8 @@ def test_run_decodes_only_the_named_files_and_each_run_is_its_own(tmp_path, tiny
 def test_each_watch_process_is_its_own_run_closed_on_sigterm_and_sigint(tmp_path, tiny_model_dir, ledger_url):
     """Two `uflash watch` processes one after the other, each given one file: two runs, each closed when its
     process stops (SIGTERM, then SIGINT), each holding its own document's pages only."""
-    cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_tokens_per_page": 8}, database={"url": ledger_url})
+    cfg = worker_config(tmp_path, tiny_model_dir, engine={"max_tokens_per_page": 8}, database={"url": ledger_url},
+                        worker={"prepare_processes": 1})
     s = load_settings(cfg)
     s.ensure_folders()
     db = Database(s.database_url)
