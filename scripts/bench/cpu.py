@@ -26,7 +26,6 @@ Prints a table, then one JSON line. Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import tempfile
@@ -39,6 +38,7 @@ import torch
 from tqdm import tqdm
 
 from ingest.errors import ExitCode
+from scripts.bench.record import finish
 
 WORDS = ("archive register record volume folio entry parish county deed survey estate witness clerk index "
          "census ledger account total balance payment year month date name place office number page").split()
@@ -235,9 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         report = run_benchmark(model_path, args.pages, args.max_new_tokens, args.device, args.dtype, args.k_max,
                                args.repeat, args.synth, block=not args.no_block)
     print_table(report)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
-    print(json.dumps(report, separators=(",", ":")))
+    finish(report, args.json)
     return ExitCode.OK
 
 

@@ -14,11 +14,12 @@ Prints a table; the last line is one JSON object (also written to ``--json``).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
+
+from scripts.bench.record import finish
 
 
 def decode(loaded, net, chunks, mode: str, batch: int, tokens_per_page: int, kernels: str) -> dict:
@@ -88,10 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {"benchmark": "bench_drafter", "model": args.model, "pages": len(images), "device": gpu,
               "dtype": str(loaded.dtype), "kernels": kernels, "block_drafter": net is not None,
               "tokens_per_page": args.tokens, "results": rows}
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(record, indent=1))
-    print(json.dumps(record))
+    finish(record, args.json)
     return 0 if all(r.get("identical", r.get("of", 0)) == r.get("of", 0) for r in rows) else 1
 
 

@@ -32,7 +32,6 @@ instead (its drafts still come from ``--rates``; EOS ends a chunk where the mode
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import sys
@@ -41,6 +40,8 @@ import traceback
 from pathlib import Path
 
 import torch
+
+from scripts.bench.record import finish, save
 
 PROMPT_IDS = {"single": [12, 345, 6789, 13], "multi": [4242, 77, 901, 2345, 13]}  # stand-ins for the prompts
 
@@ -473,9 +474,7 @@ def main(argv: list[str] | None = None) -> int:
             for batch in [int(b) for b in args.batch.split(",")]:
                 log(f"{pages} page(s), batch {batch}")
                 report["results"].append(bench(loaded, pages, batch, args, log))
-                if args.json:  # what is measured so far survives a cut-off run
-                    args.json.parent.mkdir(parents=True, exist_ok=True)
-                    args.json.write_text(json.dumps(report, indent=1))
+                save(report, args.json)  # what is measured so far survives a cut-off run
         if args.mem_tokens:
             log("memory")
             report["memory"] = bench_memory(loaded, args, log)
@@ -484,10 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
     report["wall_s"] = round(time.perf_counter() - t_start, 1)
     print_table(report)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1))
-    print(json.dumps(report, separators=(",", ":")))
+    finish(report, args.json)
     return 1 if "error" in report else 0
 
 

@@ -17,13 +17,14 @@ differs from official or an invariant bf16 chunk differs from its decode alone.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 import traceback
 from pathlib import Path
 
 import torch
+
+from scripts.bench.record import finish
 
 
 def load_pages(folder: Path) -> list[tuple[object, str]]:
@@ -146,10 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     inv = report.get("bf16", {}).get("invariant", {})
     failed |= bool(inv) and inv["alone_vs_batch_logprobs"] != inv["of"]
     report["wall_s"] = round(time.perf_counter() - t_start, 1)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1))
-    print(json.dumps(report, separators=(",", ":")))
+    finish(report, args.json)
     return 1 if failed else 0
 
 

@@ -16,7 +16,6 @@ JSON object (also written to ``--json``).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 
 from scripts.bench.engine import build_model, chunks_for, environment, sync
+from scripts.bench.record import finish
 
 
 def loop_start(ids: list[int], period: int) -> int | None:
@@ -87,10 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         ok &= res["lossless_equal_to_plain"] and all(r["finish"] == ["repetition"] for r in res["runs"].values())
         report["results"].append(res)
     report["wall_s"] = round(time.perf_counter() - t_start, 1)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1))
-    print(json.dumps(report, separators=(",", ":")))
+    finish(report, args.json)
     return 0 if ok else 1
 
 

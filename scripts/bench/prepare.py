@@ -24,7 +24,6 @@ is one JSON object (also written to ``--json``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -38,6 +37,7 @@ from ingest.config import OrientationSettings
 from ingest.errors import ExitCode
 from ingest.pages.pool import PreparePool
 from ingest.pages.prepare import PageJob, PagesReady, prepare_pages
+from scripts.bench.record import finish
 
 
 def write_document(path: Path, seed: int, pages: int, turned: float) -> Path:
@@ -167,10 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                               "python": platform.python_version(), "torch": torch.__version__,
                               "machine": platform.machine()},
               "settings": settings}
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1))
-    print(json.dumps(report, separators=(",", ":")))
+    finish(report, args.json)
     return ExitCode.OK
 
 
