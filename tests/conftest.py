@@ -294,7 +294,7 @@ def reopened(db):
     again = Database(url)
     try:
         with again.session() as s:
-            assert s.scalar(select(func.max(SchemaVersion.version))) == SCHEMA_VERSION == 5
+            assert s.scalar(select(func.max(SchemaVersion.version))) == SCHEMA_VERSION == 6
         yield again
     finally:
         again.dispose()
