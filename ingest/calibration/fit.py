@@ -63,7 +63,7 @@ def graded_pages(docs: list[dict], alone: dict[str, dict], t, tokenizer, repair:
             label = doc["labels"][k - 1]
             rows.append({"seed": doc["seed"], "page": k, "half": doc["half"], "rung": doc["rung"],
                          "cer": round(character_error_rate(po.text, label), 4), "truth_chars": len(strip_markup(label)),
-                         "grade": q["grade"], "reasons": q["reasons"], "quality": q,
+                         "grade": q["grade"], "reasons": q["reasons"], "quality": q, "text": po.text,
                          "word_confidence": st.get("word_confidence"),
                          "repair": {k2: v for k2, v in (st.get("repair") or {}).items() if k2 in ("checks", "kept")}})
         missing = [k for k in range(1, doc["rung"]["pages"] + 1) if k not in pages]
