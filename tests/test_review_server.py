@@ -330,3 +330,18 @@ def test_report_and_diff_say_which_pages_a_person_corrected_and_checked(finished
     assert d["pages"][0]["cer"] == pytest.approx(answer["cer"], abs=1e-6)
     assert main(["--config", str(f.cfg), "diff", "--corrections"]) == 0
     assert "1 corrected page: the model's reading against the correction" in capsys.readouterr().out
+
+
+def test_corrected_pages_are_exported_as_training_pairs(finished, tmp_path, capsys):
+    from ingest.commands.cli import main
+    from ingest.review.export import read_pairs
+
+    f = finished
+    assert main(["--config", str(f.cfg), "export-corrections", "--out", str(tmp_path / "pairs")]) == 0
+    assert "exported 1 corrected pages" in capsys.readouterr().out
+    [line] = [json.loads(x) for x in (tmp_path / "pairs" / "pairs.jsonl").read_text(encoding="utf-8").splitlines()]
+    [rev] = [r for r in _reviews(f) if r.kind == "corrected" and r.page_index == 3]
+    assert (line["document_id"], line["page"], line["text"], line["document"]) == (f.doc_id, 3, rev.text, "deeds.tiff")
+    images, texts = read_pairs(tmp_path / "pairs")
+    page = _model_page(f, 3)
+    assert texts == [rev.text] and list(images[0].size) == page.stats["image_size"]  # the page as the model read it
