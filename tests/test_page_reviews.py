@@ -10,7 +10,8 @@ from sqlalchemy import inspect, select, text
 
 from db.models import Document, Page, ReviewKind, Run, SchemaVersion
 from db.reviews import page_history, page_states, record_review, standing_corrections
-from ingest.review.corrections import EditRefused, apply_block_edits, correct_page, with_reading
+from ingest.reading.corrected import with_reading
+from ingest.review.corrections import EditRefused, apply_block_edits, correct_page
 from tests.conftest import reopened
 
 TEXT = ("<|det|>title [10, 10, 500, 50]<|/det|>Register of deeds\n"

@@ -1,8 +1,8 @@
 """Corrections made on the review page: a person edits a page's text block by block (the model's elements: their
 labels and boxes are kept), and the result is stored as a reading of the page marked as a person's (db.reviews), with
 the words changed against the model's reading and the model's CER against it. The document's outputs are then written
-again from each page's reading (ingest.worker.finish), a corrected page with full confidence on the words the person
-wrote.
+again from each page's reading (ingest.worker.finish; ingest.reading.corrected: full confidence on the words the person
+wrote).
 
 Edits name blocks by their number in ``ingest.reading.words.page_segments`` (the ``data-el`` of the review page). A
 text block's words are replaced as a whole (its lines kept as the person wrote them); a table's words are replaced one
@@ -15,11 +15,10 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Mapping
-from typing import Any
 
 from db.models import Page, ReviewKind
 from db.pages import latest_pages
-from db.reviews import PageState, page_states, record_review
+from db.reviews import page_states, record_review
 from db.session import Database
 from ingest.quality.measures import character_error_rate
 from ingest.reading.words import page_segments, page_words
@@ -70,31 +69,6 @@ def word_diff(model: str, person: str) -> list[list[str]]:
     return [[op, " ".join(a[i1:i2]), " ".join(b[j1:j2])]
             for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
             if op != "equal"]
-
-
-def corrected_confidences(model: str, confidences: list[float | None] | None, person: str) -> list[float | None]:
-    """One confidence per word of the person's reading: a word kept from the model's keeps the model's confidence, a
-    word the person wrote has full confidence (1.0)."""
-    a, b = [w.text for w in page_words(model)], [w.text for w in page_words(person)]
-    conf = list(confidences or [])
-    conf = conf if len(conf) == len(a) else [None] * len(a)
-    out: list[float | None] = [1.0] * len(b)
-    for op, i1, i2, j1, _ in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
-        if op == "equal":
-            out[j1:j1 + i2 - i1] = conf[i1:i2]
-    return out
-
-
-def with_reading(page: dict[str, Any], state: PageState | None) -> dict[str, Any]:
-    """A ``document.json`` page (the model's reading) as its reading stands: the person's correction, when there is
-    one, with full confidence on the words the person wrote and ``stats.correction`` saying so."""
-    c = state.correction if state else None
-    if c is None:
-        return page
-    stats = page.get("stats") or {}
-    conf = corrected_confidences(page["text"], stats.get("word_confidence"), c.text or "")
-    record = {"by": c.by, "at": c.created_at.isoformat(), "cer": c.cer, "changes": c.diff, "model_text": page["text"]}
-    return {**page, "text": c.text or "", "stats": {**stats, "word_confidence": conf, "correction": record}}
 
 
 def model_reading(db: Database, page_id: int) -> Page | None:

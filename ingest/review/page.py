@@ -35,11 +35,11 @@ from ingest.ledger.owners import is_gone
 from ingest.logs import counted
 from ingest.pages.orientation import turn
 from ingest.quality.grades import explain
+from ingest.reading.corrected import corrected_confidences
 from ingest.reading.words import page_segments
 from ingest.review.assets import LIVE_SCRIPT as _LIVE_SCRIPT
 from ingest.review.assets import SCRIPT as _SCRIPT
 from ingest.review.assets import STYLE as _STYLE
-from ingest.review.corrections import corrected_confidences
 
 FILTERS = ("all", "good", "fair", "poor", "repaired")
 
