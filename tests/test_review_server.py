@@ -111,12 +111,13 @@ def finished(tmp_path_factory, tiny_model_dir):
     assert m, line + (root / "review.log").read_text()
     yield SimpleNamespace(cfg=cfg, settings=s, db=db, doc_id=doc_id, run_id=run_id, folder=s.outbox / "deeds",
                           proc=proc, base=m.group(1), host=m.group(2), port=int(m.group(3)), token=m.group(4))
-    proc.send_signal(signal.SIGINT)  # as Ctrl+C: the server stops, a re-run in hand finishes
+    proc.send_signal(signal.SIGINT)  # as Ctrl+C: the server stops (a re-run in hand would finish first)
     try:
-        proc.wait(120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    db.dispose()
+        assert proc.wait(120) == 0, (root / "review.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        db.dispose()
 
 
 def _request(f, path: str, body=None, token: str | None = "", origin: str | None = "", host: str | None = None,

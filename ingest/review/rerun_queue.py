@@ -88,8 +88,9 @@ class RerunQueue:
                 continue
             item.state = "running"
             logger.info("re-run of {} started", item.what)
+            # a session of its own: Ctrl+C in the server's terminal stops the server, not the re-run in hand
             self._proc = subprocess.Popen(self.command(item), cwd=self.cwd, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True)
+                                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
             out, _ = self._proc.communicate()
             run = re.search(r"-> run (\d+)", out or "")
             item.run = int(run.group(1)) if run else None
@@ -99,16 +100,21 @@ class RerunQueue:
                     f"exit code {self._proc.returncode}"
             logger.info("re-run of {}: {}{}", item.what, item.state, f" (run {item.run})" if item.run else "")
 
-    def close(self, timeout: float | None = None) -> None:
-        """Drop the re-runs not started and wait for the one in hand (``timeout``: then stop it with SIGTERM, which
-        lets it finish its chunk and close its run)."""
+    def close(self) -> None:
+        """Drop the re-runs not started and wait for the one in hand; interrupted while it waits (a second Ctrl+C),
+        stop that one with SIGTERM, which lets it finish its chunk and close its run."""
         with self._lock:
             for item in self.items:
                 if item.state == "queued":
                     item.state = "dropped"
+            running = [item.what for item in self.items if item.state == "running"]
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout)
-        if self._thread.is_alive() and self._proc is not None:
-            self._proc.terminate()
+        if running:
+            logger.info("waiting for the re-run of {} to finish (Ctrl+C again stops it)", running[0])
+        try:
+            self._thread.join()
+        except KeyboardInterrupt:
+            if self._proc is not None and self._proc.poll() is None:
+                self._proc.terminate()
             self._thread.join(60)

@@ -19,9 +19,11 @@ Who may use it (``Guard``, on every request):
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import secrets
+import signal
 import socket
 import threading
 from dataclasses import dataclass, field
@@ -241,9 +243,29 @@ def serve(settings: Settings, db: Database, host: str = "127.0.0.1", port: int =
     app = Guard(build_app(review), review)
     netloc = f"[{shown}]:{port}" if ":" in shown else f"{shown}:{port}"
     announce(f"review  http://{netloc}/?token={review.token}{f'&run={run_id}' if run_id else ''}")
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False))
+    server = _stopping_server()(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False))
     try:
         server.run(sockets=[sock])
     finally:
         review.reruns.close()
         sock.close()
+
+
+def _stopping_server():  # noqa: ANN202
+    import uvicorn
+
+    class StoppingServer(uvicorn.Server):
+        """uvicorn's server, stopped by Ctrl+C or SIGTERM without raising the signal again once it has stopped (the
+        command then ends as it should: the re-run in hand finished, exit code 0)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):  # noqa: ANN202
+            sigs = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGBREAK] if hasattr(signal, "SIGBREAK") else [])
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in sigs}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return StoppingServer
