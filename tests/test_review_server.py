@@ -305,6 +305,9 @@ def test_a_picked_pages_rerun_is_queued_and_runs(finished, browser):
         pages = s.scalars(select(Page).where(Page.run_id == rerun.id)).all()
     assert rerun.id != f.run_id and rerun.mode == "lossless" and rerun.settings["rerun_of"] == [f.run_id]
     assert [(p.document_id, p.page_index) for p in pages] == [(f.doc_id, 2)] and f"run {rerun.id}" in item.text
+    browser.refresh()  # still the run being reviewed, not the re-run's
+    assert len(browser.find_elements("css selector", "section.page")) == 3
+    assert f"uflash run {f.run_id}" in browser.find_element("css selector", "header.top h1").text
 
 
 def test_report_and_diff_say_which_pages_a_person_corrected_and_checked(finished, capsys):

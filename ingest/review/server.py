@@ -41,6 +41,7 @@ from db.models import DocStatus, Page, ReviewKind
 from db.reviews import page_states, record_review
 from db.session import Database
 from ingest.config import Settings
+from ingest.errors import UsageError
 from ingest.review.corrections import EditRefused, correct_page, model_reading
 from ingest.review.rerun_queue import RerunQueue
 
@@ -56,6 +57,8 @@ class Review:
     token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     hosts: frozenset[str] = frozenset()  # "host:port" values the Host header may take
     reruns: RerunQueue | None = None
+    run_id: int | None = None  # the run shown without ?run= (the latest when the server started: re-runs queued from
+    # the page make later runs, and a reload still shows the pages being reviewed)
     lock: threading.Lock = field(default_factory=threading.Lock)  # one change at a time
 
     @property
@@ -164,7 +167,7 @@ def build_app(review: Review) -> Starlette:
         run = request.query_params.get("run")
         if run is not None and not run.isdigit():
             return _refuse(400, "run: a run's id (a number)")
-        rep = collect_report(review.db, int(run) if run else None)
+        rep = collect_report(review.db, int(run) if run else review.run_id)
         if rep["run"] is None:
             return HTMLResponse("<p>nothing decoded yet</p>")
         run_images = images.setdefault(rep["run"]["id"], report_images(rep))
@@ -234,15 +237,20 @@ def serve(settings: Settings, db: Database, host: str = "127.0.0.1", port: int =
     """Serve the review page until Ctrl+C or SIGTERM; ``announce`` gets the address to open (with its token)."""
     import uvicorn
 
+    from db.runs import get_run, latest_run_with_work
+
+    if run_id is not None and get_run(db, run_id) is None:
+        raise UsageError(f"no run {run_id}")
     sock = listen(host, port)
     port = sock.getsockname()[1]
     shown = socket.gethostname() if host in ("0.0.0.0", "::") else host
     names = {shown, host} | ({"localhost", "127.0.0.1"} if host in ("127.0.0.1", "0.0.0.0", "::") else set())
-    review = Review(settings, db, hosts=frozenset(f"{n}:{port}" if ":" not in n else f"[{n}]:{port}" for n in names))
+    review = Review(settings, db, hosts=frozenset(f"{n}:{port}" if ":" not in n else f"[{n}]:{port}" for n in names),
+                    run_id=run_id if run_id is not None else latest_run_with_work(db))
     review.reruns = RerunQueue(settings.config_file, Path.cwd())
     app = Guard(build_app(review), review)
     netloc = f"[{shown}]:{port}" if ":" in shown else f"{shown}:{port}"
-    announce(f"review  http://{netloc}/?token={review.token}{f'&run={run_id}' if run_id else ''}")
+    announce(f"review  http://{netloc}/?token={review.token}")
     server = _stopping_server()(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False))
     try:
         server.run(sockets=[sock])
