@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how many of each list to show (waiting, done, failed, refused files, duplicates)")
 
     cal = sub.add_parser("calibrate", help="choose the page grades' thresholds for the configured model on a labelled "
-                                           "ladder and write them beside it (calibration.json); resumable")
+                                           "ladder (or on the pages people corrected: --from-corrections) and write "
+                                           "them beside it (calibration.json); resumable")
     cal.add_argument("--docs", type=int, metavar="N",
                      help="ladder documents of 1-4 pages, half of them held out (default: 360 on a GPU, 40 on a CPU)")
     cal.add_argument("--budget", metavar="N|Ns",
