@@ -37,6 +37,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from db.documents import get_document
 from db.models import DocStatus, Page, ReviewKind
 from db.reviews import page_states, record_review
 from db.session import Database
@@ -144,16 +145,12 @@ def build_app(review: Review) -> Starlette:
         async def route(request: Request) -> Response:
             try:
                 body = await _json(request)
-                page = page_of(request) if "page_id" in request.path_params else None
-                if page is not None:
-                    from db.documents import get_document
-
-                    if get_document(review.db, page.document_id).status != DocStatus.DONE:
-                        return _refuse(409, "the document is not finished: correct it once it is done")
-
 
                 def locked() -> Response:
                     with review.lock:
+                        page = page_of(request) if "page_id" in request.path_params else None
+                        if page is not None and get_document(review.db, page.document_id).status != DocStatus.DONE:
+                            return _refuse(409, "the document is not finished: correct it once it is done")
                         return handler(request, page, body)
 
                 return await run_in_threadpool(locked)  # a rewrite of the outputs takes seconds: off the loop
@@ -163,15 +160,16 @@ def build_app(review: Review) -> Starlette:
                 return _refuse(404, str(e))
         return route
 
-    async def index(request: Request) -> Response:
+    def index(request: Request) -> Response:  # plain functions run in Starlette's thread pool
         run = request.query_params.get("run")
         if run is not None and not run.isdigit():
             return _refuse(400, "run: a run's id (a number)")
         rep = collect_report(review.db, int(run) if run else review.run_id)
         if rep["run"] is None:
             return HTMLResponse("<p>nothing decoded yet</p>")
-        run_images = images.setdefault(rep["run"]["id"], report_images(rep))
-        return HTMLResponse(render_html(rep, run_images, config, unsure, token=review.token),
+        if rep["run"]["id"] not in images:
+            images[rep["run"]["id"]] = report_images(rep)
+        return HTMLResponse(render_html(rep, images[rep["run"]["id"]], config, unsure, token=review.token),
                             headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})
 
     def correction(request: Request, page: Page, body: dict[str, Any]) -> Response:
@@ -209,7 +207,7 @@ def build_app(review: Review) -> Starlette:
         added = review.reruns.add(found)
         return JSONResponse({"queued": [a.what for a in added], "reruns": review.reruns.snapshot()})
 
-    async def reruns(request: Request) -> Response:
+    def reruns(request: Request) -> Response:
         return JSONResponse({"reruns": review.reruns.snapshot()})
 
     return Starlette(routes=[
