@@ -288,23 +288,28 @@ def test_a_correction_is_saved_shown_after_a_reload_kept_beside_the_models_readi
     _assert_alto_valid(alto)
 
 
+def _reruns(browser) -> list[tuple[str, str]]:
+    """(state, text) of each re-run the page lists (read at once: the page renews the list every 2 s)."""
+    return [tuple(x) for x in browser.execute_script(
+        "return [].slice.call(document.querySelectorAll('#reruns li')).map(li => [li.dataset.state, li.textContent])")]
+
+
 def test_a_picked_pages_rerun_is_queued_and_runs(finished, browser):
     f = finished
     sec = _section(browser, 2)
     _click(browser, sec.find_element("css selector", "input.pick"))
     _click(browser, browser.find_element("id", "rerun-picked"))
     assert "re-run queued: document" in _status(browser, "re-run queued")
-    first = browser.find_element("css selector", "#reruns li")
-    assert f"document {f.doc_id} page 2" in first.text
-    assert wait_until(lambda: browser.find_element("css selector", "#reruns li").get_attribute("data-state")
-                      in ("done", "failed"), 180)
-    item = browser.find_element("css selector", "#reruns li")
-    assert item.get_attribute("data-state") == "done", item.text
+    [(state, text)] = _reruns(browser)
+    assert state in ("queued", "running", "done") and f"document {f.doc_id} page 2" in text
+    assert wait_until(lambda: _reruns(browser)[0][0] in ("done", "failed"), 180)
+    [(state, text)] = _reruns(browser)
+    assert state == "done", text
     with f.db.session() as s:
         rerun = s.scalars(select(Run).order_by(Run.id.desc())).first()
         pages = s.scalars(select(Page).where(Page.run_id == rerun.id)).all()
     assert rerun.id != f.run_id and rerun.mode == "lossless" and rerun.settings["rerun_of"] == [f.run_id]
-    assert [(p.document_id, p.page_index) for p in pages] == [(f.doc_id, 2)] and f"run {rerun.id}" in item.text
+    assert [(p.document_id, p.page_index) for p in pages] == [(f.doc_id, 2)] and f"run {rerun.id}" in text
     browser.refresh()  # still the run being reviewed, not the re-run's
     assert len(browser.find_elements("css selector", "section.page")) == 3
     assert f"uflash run {f.run_id}" in browser.find_element("css selector", "header.top h1").text
