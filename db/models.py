@@ -200,3 +200,32 @@ class Page(Base):
     stats: Mapped[dict[str, Any]] = mapped_column(default=dict)
     text_layer: Mapped[str | None] = mapped_column(CleanText, default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ReviewKind(StrEnum):
+    CORRECTED = "corrected"  # a person's reading of the page (``text``)
+    UNDONE = "undone"  # back to the model's reading
+    CHECKED = "checked"  # a person looked at the page and marked it checked
+    UNCHECKED = "unchecked"
+
+
+class PageReview(Base):
+    """What a person did to a page on the review page (``uflash review``), one row per act, never changed: a reading of
+    the page marked as a person's (``corrected``, with its ``text``), a return to the model's reading (``undone``), a
+    page marked checked or not. ``page_id``: the model's reading the person saw (the latest stored decode of the page
+    then); ``diff``: the words changed against it, ``cer``: its character error rate against the person's reading.
+    The model's readings (``pages``) are never touched; what a page shows is its latest correction unless undone
+    (db.reviews)."""
+
+    __tablename__ = "page_reviews"
+    __table_args__ = (Index("ix_page_reviews_page", "document_id", "page_index"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    document_id: Mapped[int] = mapped_column(ForeignKey("documents.id"))
+    page_index: Mapped[int] = mapped_column(Integer)  # 1-based
+    page_id: Mapped[int] = mapped_column(ForeignKey("pages.id"))
+    kind: Mapped[ReviewKind] = mapped_column(status_column(ReviewKind))
+    text: Mapped[str | None] = mapped_column(CleanText, default=None)
+    diff: Mapped[list[Any] | None] = mapped_column(default=None)
+    cer: Mapped[float | None] = mapped_column(Float, default=None)
+    by: Mapped[str] = mapped_column(String(255), default="person")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -33,9 +33,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Session, sessionmaker
 
-from db.models import Base, Run, RunEnd, SchemaVersion
+from db.models import Base, PageReview, Run, RunEnd, SchemaVersion
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 
 def _v2_run_owner_and_end(conn: Connection) -> None:
@@ -93,10 +93,16 @@ def _v5_runs_of_refusals_and_duplicates(conn: Connection) -> None:
             conn.execute(text(f"CREATE INDEX ix_{table}_run_id ON {table} (run_id)"))
 
 
+def _v6_page_reviews(conn: Connection) -> None:
+    """page_reviews: what a person did to a page on the review page (a correction, an undo, checked), one row per act
+    (db.reviews). No page has been reviewed before. A table already there is left as it is."""
+    Base.metadata.create_all(conn, tables=[PageReview.__table__])
+
+
 # version -> function(connection) that upgrades from version-1. Add an entry with every schema change.
 MIGRATIONS: dict[int, Callable[[Connection], None]] = {2: _v2_run_owner_and_end, 3: _v3_64_bit_sizes_and_mtimes,
                                                        4: _v4_batch_limits_and_failed_paths,
-                                                       5: _v5_runs_of_refusals_and_duplicates}
+                                                       5: _v5_runs_of_refusals_and_duplicates, 6: _v6_page_reviews}
 
 
 class SchemaTooNew(RuntimeError):

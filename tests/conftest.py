@@ -44,8 +44,8 @@ SLOW_MODULES = frozenset({
     "test_calibration", "test_crashes", "test_demo_model", "test_engine_admission", "test_engine_exact",
     "test_exactness_windows", "test_finish_queue", "test_gpu_scripts", "test_grades_ladder", "test_grading",
     "test_grading_demo", "test_infrastructure", "test_ocrmypdf_plugin", "test_orientation", "test_pdfa",
-    "test_postgres_pipeline", "test_prepare_pool", "test_review", "test_review_page", "test_standin",
-    "test_step_graphs", "test_train_demo", "test_watch", "test_worker",
+    "test_postgres_pipeline", "test_prepare_pool", "test_review", "test_review_page", "test_review_server",
+    "test_standin", "test_calibrate_corrections", "test_step_graphs", "test_train_demo", "test_watch", "test_worker",
 })
 
 
@@ -296,7 +296,7 @@ def reopened(db):
     again = Database(url)
     try:
         with again.session() as s:
-            assert s.scalar(select(func.max(SchemaVersion.version))) == SCHEMA_VERSION == 5
+            assert s.scalar(select(func.max(SchemaVersion.version))) == SCHEMA_VERSION == 6
         yield again
     finally:
         again.dispose()

@@ -87,7 +87,8 @@ def calibrate(settings: Settings, docs: int | None = None, budget_pages: int = 0
 
 def format_calibration(record: dict[str, Any], path: Path) -> str:
     """What `uflash calibrate` prints."""
-    lines = [f"calibrated {record['model']} on {record['documents']} ladder documents ({record['pages']} pages) "
+    source = "corrected" if record.get("source") == "corrections" else "ladder"
+    lines = [f"calibrated {record['model']} on {record['documents']} {source} documents ({record['pages']} pages) "
              f"-> {path}"]
     if not record["complete"]:
         lines.append(f"  stopped early ({record['decoded']['stopped']}): run it again to read the rest and fit again")

@@ -22,7 +22,7 @@ def graded_pages(docs: list[dict], alone: dict[str, dict], t, tokenizer, repair:
     alone is left as it was and marked ``"repair": {"kept": "no reading alone"}``."""
     from engine.chunk_output import PageOutput
     from ingest.quality.grades import checks, grade_document, plain_text
-    from ingest.quality.measures import edit_distance
+    from ingest.quality.measures import character_error_rate
     from ingest.quality.repair import chunk_page_stats, repair_chunk
     from ingest.synth.documents import strip_markup
 
@@ -60,11 +60,10 @@ def graded_pages(docs: list[dict], alone: dict[str, dict], t, tokenizer, repair:
                                   "chunk_id": pages[k][2]} for k in order], t)
         for k, q in zip(order, graded):
             po, st, _ = pages[k]
-            truth = strip_markup(doc["labels"][k - 1])
-            read = strip_markup(po.text)
+            label = doc["labels"][k - 1]
             rows.append({"seed": doc["seed"], "page": k, "half": doc["half"], "rung": doc["rung"],
-                         "cer": round(edit_distance(read, truth) / max(1, len(truth)), 4), "truth_chars": len(truth),
-                         "grade": q["grade"], "reasons": q["reasons"], "quality": q,
+                         "cer": round(character_error_rate(po.text, label), 4), "truth_chars": len(strip_markup(label)),
+                         "grade": q["grade"], "reasons": q["reasons"], "quality": q, "text": po.text,
                          "word_confidence": st.get("word_confidence"),
                          "repair": {k2: v for k2, v in (st.get("repair") or {}).items() if k2 in ("checks", "kept")}})
         missing = [k for k in range(1, doc["rung"]["pages"] + 1) if k not in pages]

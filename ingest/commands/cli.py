@@ -161,10 +161,35 @@ def _rerun_lines(res, mode: str) -> list[str]:  # noqa: ANN001
 
 
 def cmd_diff(settings: Settings, args: argparse.Namespace) -> int:
-    from ingest.commands.rerun import diff_runs, format_diff
+    from ingest.commands.rerun import diff_corrections, diff_runs, format_diff, format_diff_corrections
 
+    if args.corrections:
+        if args.run_a is not None:
+            raise UsageError("diff --corrections compares the model's readings with the corrections: no runs")
+        d = diff_corrections(open_existing_ledger(settings))
+        print(json.dumps(d) if args.json else format_diff_corrections(d))
+        return ExitCode.OK
+    if args.run_a is None or args.run_b is None:
+        raise UsageError("diff: two runs (RUN_A RUN_B), or --corrections")
     d = diff_runs(open_existing_ledger(settings), args.run_a, args.run_b)
     print(json.dumps(d) if args.json else format_diff(d))
+    return ExitCode.OK
+
+
+def cmd_review(settings: Settings, args: argparse.Namespace) -> int:
+    from ingest.review.server import serve
+
+    serve(settings, open_existing_ledger(settings), args.host, args.port, args.run,
+          announce=lambda line: print(line, flush=True))
+    return ExitCode.OK
+
+
+def cmd_export_corrections(settings: Settings, args: argparse.Namespace) -> int:
+    from ingest.review.export import MANIFEST, export_corrections
+
+    out = Path(args.out).expanduser().resolve()
+    lines = export_corrections(open_existing_ledger(settings), out)
+    print(f"exported {len(lines)} corrected pages -> {out / MANIFEST}")
     return ExitCode.OK
 
 
@@ -238,6 +263,12 @@ def cmd_check(settings: Settings, args: argparse.Namespace) -> int:
 def cmd_calibrate(settings: Settings, args: argparse.Namespace) -> int:
     from ingest.calibration.calibrate import calibrate, format_calibration
 
+    if args.from_corrections:
+        from ingest.calibration.corrections import calibrate_from_corrections
+
+        record, path = calibrate_from_corrections(settings, open_existing_ledger(settings))
+        print(format_calibration(record, path))
+        return ExitCode.OK
     budget_pages, budget_s = parse_budget(args.budget)
     if args.max_batch:
         settings.engine.max_batch = args.max_batch
@@ -267,7 +298,7 @@ DECODING = ("run", "rerun")  # commands that need the model's files before they 
 # for a missing model: its intake goes on)
 COMMANDS = {"watch": cmd_watch, "run": cmd_run, "status": cmd_status, "report": cmd_report, "rerun": cmd_rerun,
             "diff": cmd_diff, "windows-task": cmd_windows_task, "check": cmd_check, "calibrate": cmd_calibrate,
-            "retry": cmd_retry}
+            "retry": cmd_retry, "review": cmd_review, "export-corrections": cmd_export_corrections}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,14 +46,34 @@ def build_parser() -> argparse.ArgumentParser:
     rr.add_argument("--pages", metavar="A-B", help="pages in this range (e.g. 3-7)")
     rr.add_argument("--device", help=dev)
 
-    d = sub.add_parser("diff", help="per-page normalized edit distance between the texts of two runs",
+    d = sub.add_parser("diff", help="per-page normalized edit distance between the texts of two runs, or the CER of "
+                                    "the model's reading against each page a person corrected",
                        description="For each page that both runs decoded: the normalized edit distance between its "
                                    "two texts (0 = identical), then the mean, the max and the identical pages. A run's "
                                    "id: the first line of `uflash report`, or the `uflash diff` line that `uflash "
-                                   "rerun` prints.")
-    d.add_argument("run_a", type=int, metavar="RUN_A", help="the earlier run's id (e.g. the first `uflash run`)")
-    d.add_argument("run_b", type=int, metavar="RUN_B", help="the later run's id (e.g. the `uflash rerun` of its pages)")
+                                   "rerun` prints. --corrections: per page corrected on the review page (`uflash "
+                                   "review`), the model's reading against the correction: its CER and the words "
+                                   "changed.")
+    d.add_argument("run_a", type=int, nargs="?", metavar="RUN_A",
+                   help="the earlier run's id (e.g. the first `uflash run`)")
+    d.add_argument("run_b", type=int, nargs="?", metavar="RUN_B",
+                   help="the later run's id (e.g. the `uflash rerun` of its pages)")
+    d.add_argument("--corrections", action="store_true",
+                   help="compare the model's readings with the corrections people made instead of two runs")
     d.add_argument("--json", action="store_true", help="print one JSON object")
+
+    rv = sub.add_parser("review", help="serve the review page on this machine: correct pages, undo, mark them "
+                                       "checked, queue re-runs (until Ctrl+C)")
+    rv.add_argument("--run", type=int, metavar="ID", help="the run whose pages it shows first (default: the latest "
+                                                          "run that decoded pages or took files in)")
+    rv.add_argument("--host", default="127.0.0.1",
+                    help="the address to listen on (default 127.0.0.1: this machine only); another address lets "
+                         "other machines reach it, with the token it prints")
+    rv.add_argument("--port", type=int, default=0, help="the port (default: a free one)")
+
+    ex = sub.add_parser("export-corrections", help="write the pages people corrected as training pairs (page image, "
+                                                   "text) for the drafter recipe")
+    ex.add_argument("--out", metavar="DIR", required=True, help="the folder to write them into")
 
     t = sub.add_parser("windows-task", help="write the Windows Task Scheduler XML that starts `uflash watch` at boot "
                                             "(import: schtasks /Create /TN uflash /XML FILE)")
@@ -79,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how many of each list to show (waiting, done, failed, refused files, duplicates)")
 
     cal = sub.add_parser("calibrate", help="choose the page grades' thresholds for the configured model on a labelled "
-                                           "ladder and write them beside it (calibration.json); resumable")
+                                           "ladder (or on the pages people corrected: --from-corrections) and write "
+                                           "them beside it (calibration.json); resumable")
     cal.add_argument("--docs", type=int, metavar="N",
                      help="ladder documents of 1-4 pages, half of them held out (default: 360 on a GPU, 40 on a CPU)")
     cal.add_argument("--budget", metavar="N|Ns",
@@ -90,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--work", metavar="DIR", help="where the ladder's readings are cached (default: "
                                                    "var/calibration/<model identity> beside the config)")
     cal.add_argument("--device", help=dev)
+    cal.add_argument("--from-corrections", action="store_true",
+                     help="fit the thresholds on the pages people corrected (`uflash review`) instead of the ladder: "
+                          "each correction is the truth of its page; nothing is decoded")
 
     c = sub.add_parser("check", help="check the set-up of this machine: the ledger (reachable, schema version), "
                                      "the folders and the model; changes nothing")

@@ -27,7 +27,7 @@ from db.session import Database
 from ingest.config import Settings
 from ingest.errors import UsageError
 from ingest.logs import counted
-from ingest.quality.measures import normalized_edit_distance
+from ingest.quality.measures import character_error_rate, normalized_edit_distance
 from ingest.worker.lifecycle import serve_run
 
 
@@ -172,4 +172,34 @@ def format_diff(d: dict[str, Any]) -> str:
         lines.append(f"{(r['document'] or str(r['document_id']))[:32]:<32} {r['page']:>5} {r['edit_distance']:>14.4f}")
     lines.append(f"mean {d['mean_edit_distance']:.4f}  max {d['max_edit_distance']:.4f}  "
                  f"identical {d['identical_pages']}/{d['common_pages']}")
+    return "\n".join(lines)
+
+
+def diff_corrections(db: Database) -> dict[str, Any]:
+    """Per page a person corrected (``uflash review``): the model's reading it corrected against the correction: the
+    CER (ingest.quality.measures.character_error_rate) and the words changed."""
+    from db.documents import documents
+    from db.reviews import standing_corrections
+
+    standing = standing_corrections(db)
+    names = {d.id: d.original_name for d in documents(db, {p.document_id for _, p in standing})}
+    rows = [{"document_id": p.document_id, "document": names.get(p.document_id), "page": p.page_index,
+             "model_run": p.run_id, "corrected_at": r.created_at.isoformat(), "by": r.by,
+             "cer": round(character_error_rate(p.text, r.text or ""), 6), "changes": r.diff or []}
+            for r, p in standing]
+    cers = [r["cer"] for r in rows]
+    return {"pages": rows, "corrected_pages": len(rows),
+            "mean_cer": round(sum(cers) / len(cers), 6) if cers else None, "max_cer": max(cers) if cers else None}
+
+
+def format_diff_corrections(d: dict[str, Any]) -> str:
+    if not d["corrected_pages"]:
+        return "no page is corrected: correct pages on the review page (`uflash review`)"
+    lines = [f"{counted(d['corrected_pages'], 'corrected page')}: the model's reading against the correction",
+             f"{'document':<32} {'page':>5} {'CER':>8}  changes"]
+    for r in d["pages"]:
+        changes = "; ".join(f"{a or '-'} -> {b or '-'}" for _, a, b in r["changes"])
+        lines.append(f"{(r['document'] or str(r['document_id']))[:32]:<32} {r['page']:>5} {r['cer']:>8.4f}  "
+                     f"{changes[:200] or '-'}")
+    lines.append(f"mean CER {d['mean_cer']:.4f}  max {d['max_cer']:.4f}")
     return "\n".join(lines)

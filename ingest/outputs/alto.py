@@ -14,6 +14,8 @@ number zero-padded so that the files sort in page order and map to the page imag
   when the model also read text in it); ``TextLine`` per line; ``String`` per word with ``CONTENT``, estimated
   ``HPOS``/``VPOS``/``WIDTH``/``HEIGHT`` (ingest.reading.words) and ``WC`` (ingest.reading.confidence); ``SP`` between
   words.
+- A page a person corrected (``uflash review``): a second ``Processing`` step (``contentModification``, when, by
+  whom) and ``CS="true"`` (correction status) on its text blocks; the words the person wrote have ``WC`` 1.
 """
 
 from __future__ import annotations
@@ -87,6 +89,14 @@ def page_alto(layout: PageLayout, document: dict[str, Any], run: dict[str, Any],
     _e(sw, "softwareName", "uflash")
     _e(sw, "softwareVersion", str(run.get("engine_version") or ""))
     _e(sw, "applicationDescription", "watch-folder batch OCR with Unlimited-OCR and lossless speculative decoding")
+    corrected = stats.get("correction")
+    if corrected:  # a person's reading (ingest.review.corrections): a second step, and every block marked corrected
+        fix = _e(desc, "Processing", ID="OCR_2")
+        _e(fix, "processingCategory", "contentModification")
+        _e(fix, "processingDateTime", corrected.get("at") or when)
+        _e(fix, "processingStepDescription", "the page's text corrected by a person on the review page (uflash "
+           "review), block by block, the model's blocks and boxes kept; the words the person wrote have WC 1")
+        _e(_e(fix, "processingSoftware"), "softwareName", "uflash review")
     labels = list(dict.fromkeys(b.label for b in layout.blocks))
     if labels:
         tags = _e(root, "Tags")
@@ -98,7 +108,7 @@ def page_alto(layout: PageLayout, document: dict[str, Any], run: dict[str, Any],
             ROTATION=layout.rotation or None, PROCESSING="OCR_1")
     space = _e(pg, "PrintSpace", HPOS=0, VPOS=0, WIDTH=layout.width, HEIGHT=layout.height)
     for n, block in enumerate(layout.blocks, start=1):
-        _block(space, block, f"{pid}_B{n}")
+        _block(space, block, f"{pid}_B{n}", bool(corrected))
     return etree.tostring(root, xml_declaration=True, encoding="UTF-8", pretty_print=True)
 
 
@@ -106,14 +116,14 @@ def _pos(b) -> dict[str, int]:
     return {"HPOS": b.x0, "VPOS": b.y0, "WIDTH": b.width, "HEIGHT": b.height}
 
 
-def _block(parent: etree._Element, block: Block, bid: str) -> None:
+def _block(parent: etree._Element, block: Block, bid: str, corrected: bool = False) -> None:
     tag = _tag_id(block.label)
     if block.kind == "picture":
         _e(parent, "Illustration", ID=bid, TAGREFS=tag, TYPE=block.label, **_pos(block.box))
         if not block.lines:
             return
         bid += "_T"
-    tb = _e(parent, "TextBlock", ID=bid, TAGREFS=tag, **_pos(block.box))
+    tb = _e(parent, "TextBlock", ID=bid, TAGREFS=tag, CS="true" if corrected else None, **_pos(block.box))
     for ln, line in enumerate(block.lines, start=1):
         lid = f"{bid}_L{ln}"
         tl = _e(tb, "TextLine", ID=lid, **_pos(line.box))

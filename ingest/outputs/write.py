@@ -34,8 +34,10 @@ def write_document_outputs(folder: Path, document: dict[str, Any], run: dict[str
     document.json)."""
     md_lines = [f"# {document['name']}", ""]
     for p in pages:
-        fast = " (fast mode)" if (p.get("stats") or {}).get("mode") == "fast" else ""  # not token-exact: say so
-        md_lines += [f"<!-- page {p['index']}{fast} -->", "", page_markdown(p["text"]), ""]
+        stats = p.get("stats") or {}
+        fast = " (fast mode)" if stats.get("mode") == "fast" else ""  # not token-exact: say so
+        person = " (corrected by a person)" if stats.get("correction") else ""
+        md_lines += [f"<!-- page {p['index']}{fast}{person} -->", "", page_markdown(p["text"]), ""]
         if p.get("note"):
             md_lines += [f"> note: {p['note']}", ""]
     md = folder / "document.md"

@@ -82,9 +82,10 @@ class ModelGrading:
         held = c.get("held_out") or {}
         over = [k for k in self.user_set if k in FITTED]
         user = f"; set in the config over it: {', '.join(over)}" if over else ""
-        return f"grades calibrated for this model on {c.get('date', '?')[:10]} ({c.get('pages', '?')} ladder pages; " \
-               f"held out: recall {held.get('recall_poor')}, precision {held.get('precision_poor')}, good median CER " \
-               f"{held.get('good_cer_median')}){user}"
+        source = "corrected" if c.get("source") == "corrections" else "ladder"
+        return f"grades calibrated for this model on {c.get('date', '?')[:10]} ({c.get('pages', '?')} {source} " \
+               f"pages; held out: recall {held.get('recall_poor')}, precision {held.get('precision_poor')}, good " \
+               f"median CER {held.get('good_cer_median')}){user}"
 
     def stamp(self) -> dict[str, Any]:
         """What a graded page records of it (stats.quality.calibration)."""

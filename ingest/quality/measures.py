@@ -104,6 +104,15 @@ def edit_distance(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
     return Levenshtein.distance(a, b)
 
 
+def character_error_rate(read: str, truth: str) -> float:
+    """CER of a reading against the truth: the Levenshtein distance of their plain texts (markup removed:
+    ingest.synth.documents.strip_markup) over the truth's length (at least 1)."""
+    from ingest.synth.documents import strip_markup
+
+    plain = strip_markup(truth)
+    return edit_distance(strip_markup(read), plain) / max(1, len(plain))
+
+
 def normalized_edit_distance(a: Sequence[Hashable], b: Sequence[Hashable]) -> float:
     """edit_distance / max(len): 0.0 equal, 1.0 nothing in common (two empty inputs: 0.0)."""
     longest = max(len(a), len(b))

@@ -1,6 +1,7 @@
 """The review page's style sheet and script (ingest.review.page writes them inline: the page needs no network). The
 script filters by grade (also from the address, ``#grade=poor``), picks pages and copies their ``uflash rerun``
-commands, lights up a box and its text together, and moves with the keyboard (j/k, x, c, a/g/f/p/r)."""
+commands, lights up a box and its text together, and moves with the keyboard (j/k, x, c, a/g/f/p/r). ``LIVE_SCRIPT`` is
+added when the review server (``uflash review``) serves the page: editing, saving, undoing, checking, re-runs."""
 
 REVIEW_PX = 1000  # long side of the page image shown for fair and poor pages
 THUMB_PX = 260  # ... for good pages
@@ -47,6 +48,10 @@ ul.why{margin:.2em 0 .4em 1.2em;padding:0}
 mark.unsure{background:#ffd2a8;text-decoration:underline dotted #b04000}
 details.figures table td{padding:0 .6em 0 0;font-size:12px}
 code.cmd{font:12px monospace;background:#f0f0f0;padding:.1em .3em}
+.state{font-size:12px;padding:0 .4em;border-radius:3px}.state.corrected{background:#d8e6ff}.state.checked{background:#c9efc9}
+.review{display:flex;gap:.4em;align-items:center;flex-wrap:wrap;margin:.2em 0}
+.words[contenteditable=true]{outline:1px dashed #06c;background:#f6fbff;display:block;min-height:1em}
+#reruns{margin:.2em 0;padding-left:1.2em;font-size:12px}#reruns:empty{display:none}
 .good-small .scan img{max-width:THUMBpx}
 """.replace("THUMB", str(THUMB_PX))
 
@@ -122,7 +127,7 @@ function move(step){
   current=sections.indexOf(vis[at]); vis[at].focus(); vis[at].scrollIntoView({block:'start'});
 }
 document.addEventListener('keydown',function(e){
-  if(e.ctrlKey||e.metaKey||e.altKey||/^(INPUT|TEXTAREA|SELECT)$/.test(e.target.tagName)&&e.target.type!=='checkbox'){return;}
+  if(e.ctrlKey||e.metaKey||e.altKey||e.target.isContentEditable||/^(INPUT|TEXTAREA|SELECT)$/.test(e.target.tagName)&&e.target.type!=='checkbox'){return;}
   var k=e.key, f={a:'all',g:'good',f:'fair',p:'poor',r:'repaired'}[k];
   if(k==='j'){move(1);}else if(k==='k'){move(-1);}
   else if(k==='x'&&current>=0){var c=sections[current].querySelector('input.pick');c.checked=!c.checked;showPicked();}
@@ -133,5 +138,70 @@ document.addEventListener('keydown',function(e){
 document.addEventListener('focusin',function(e){var s=e.target.closest&&e.target.closest('section.page');
   if(s){current=sections.indexOf(s);}});
 applyFilter(); showPicked();
+})();
+"""
+
+# the review server's additions (ingest.review.server): edit a page's blocks, save, undo, mark checked, queue re-runs;
+# every request carries the page's token (X-Uflash-Token) and goes to the page's own origin
+LIVE_SCRIPT = r"""
+(function(){
+var token=document.body.dataset.token, status=document.getElementById('status');
+function post(url,body){
+  return fetch(url,{method:'POST',headers:{'Content-Type':'application/json','X-Uflash-Token':token},
+                    body:JSON.stringify(body||{})})
+    .then(function(r){return r.json().then(function(j){if(!r.ok){throw new Error(j.error||r.status);} return j;});});
+}
+function say(t){status.textContent=t;}
+function show(sec,j){
+  sec.querySelector(':scope .cols .text').innerHTML=j.text_html;
+  var st=sec.querySelector('.state.corrected');
+  st.hidden=!j.corrected; st.textContent=j.corrected?'corrected (model CER '+j.cer.toFixed(4)+')':'';
+  sec.dataset.corrected=j.corrected?'1':'0';
+}
+document.querySelectorAll('section.page').forEach(function(sec){
+  var id=sec.id.slice(1), before=[];
+  var edit=sec.querySelector('button.edit'), save=sec.querySelector('button.save'),
+      cancel=sec.querySelector('button.cancel'), undo=sec.querySelector('button.undo'),
+      checked=sec.querySelector('input.checked');
+  function blocks(){return [].slice.call(sec.querySelectorAll(':scope .cols .text .el[data-n] .words'));}
+  function editing(on){
+    blocks().forEach(function(b,i){if(on){before[i]=b.innerText;} b.contentEditable=on&&b.closest('.el').dataset.words==='1'?'true':'false';});
+    edit.hidden=on; save.hidden=!on; cancel.hidden=!on;
+  }
+  edit.addEventListener('click',function(){editing(true); var b=blocks().filter(function(b){return b.isContentEditable;})[0]; if(b){b.focus();}});
+  cancel.addEventListener('click',function(){blocks().forEach(function(b,i){b.innerText=before[i];}); editing(false);});
+  save.addEventListener('click',function(){
+    var edits={}, n=0;
+    blocks().forEach(function(b,i){if(b.innerText!==before[i]){edits[b.closest('.el').dataset.n]=b.innerText; n++;}});
+    if(!n){editing(false); say('nothing changed on page '+sec.dataset.page); return;}
+    post('/api/pages/'+id+'/correction',{blocks:edits}).then(function(j){editing(false); show(sec,j);
+      say('saved page '+sec.dataset.page+' ('+j.recorded+'); outputs written again');})
+      .catch(function(e){say('not saved: '+e.message);});
+  });
+  undo.addEventListener('click',function(){
+    post('/api/pages/'+id+'/undo',{}).then(function(j){editing(false); show(sec,j);
+      say('page '+sec.dataset.page+': back to the model\'s reading; outputs written again');})
+      .catch(function(e){say('not undone: '+e.message);});
+  });
+  checked.addEventListener('change',function(){
+    post('/api/pages/'+id+'/checked',{checked:checked.checked}).then(function(j){
+      sec.querySelector('.state.checked').hidden=!j.checked; say('page '+sec.dataset.page+(j.checked?' checked':' not checked'));})
+      .catch(function(e){checked.checked=!checked.checked; say('not saved: '+e.message);});
+  });
+});
+var list=document.getElementById('reruns');
+function showReruns(items){
+  list.innerHTML=''; items.forEach(function(r){var li=document.createElement('li'); li.dataset.state=r.state;
+    li.textContent=r.state+': '+r.what+(r.run?' -> run '+r.run:'')+(r.note?' ('+r.note+')':''); list.appendChild(li);});
+}
+document.getElementById('rerun-picked').addEventListener('click',function(){
+  var ids=[].slice.call(document.querySelectorAll('section.page')).filter(function(s){
+    return s.querySelector('input.pick').checked;}).map(function(s){return +s.id.slice(1);});
+  if(!ids.length){say('Pick pages first (their check boxes, or x)'); return;}
+  post('/api/reruns',{pages:ids}).then(function(j){showReruns(j.reruns); say('re-run queued: '+j.queued.join('; '));})
+    .catch(function(e){say('not queued: '+e.message);});
+});
+setInterval(function(){if(!list.children.length){return;}
+  fetch('/api/reruns',{headers:{'X-Uflash-Token':token}}).then(function(r){return r.json();}).then(function(j){showReruns(j.reruns);});},2000);
 })();
 """

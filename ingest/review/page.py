@@ -35,7 +35,9 @@ from ingest.ledger.owners import is_gone
 from ingest.logs import counted
 from ingest.pages.orientation import turn
 from ingest.quality.grades import explain
+from ingest.reading.corrected import corrected_confidences
 from ingest.reading.words import page_segments
+from ingest.review.assets import LIVE_SCRIPT as _LIVE_SCRIPT
 from ingest.review.assets import SCRIPT as _SCRIPT
 from ingest.review.assets import STYLE as _STYLE
 
@@ -119,7 +121,8 @@ def _text_html(text: str, confidences: Sequence[float | None] | None, unsure: fl
             lines.append(" ".join(words))
         label = f"<span class='label'>{e(seg.label)}</span>" if seg.label else ""
         focus = " tabindex='0'" if seg.grid_box is not None else ""
-        parts.append(f"<div class='el' data-el='{page_key}-{n}'{focus}>{label}{'<br>'.join(lines)}</div>")
+        parts.append(f"<div class='el' data-el='{page_key}-{n}' data-n='{n}' data-words='{1 if seg.lines else 0}'"
+                     f"{focus}>{label}<span class='words'>{'<br>'.join(lines)}</span></div>")
     return "".join(parts) or "<div class='el'><em>(no text)</em></div>"
 
 
@@ -134,7 +137,32 @@ def _boxes_svg(text: str, page_key: str) -> str:
     return ("<svg viewBox='0 0 999 999' preserveAspectRatio='none' aria-hidden='true'>" + "".join(rects) + "</svg>")
 
 
-def _page_html(d: dict[str, Any], p: dict[str, Any], image: str | None, rerun: str, unsure: float) -> str:
+def reading_html(p: dict[str, Any], unsure: float) -> str:
+    """The page's text as its reading stands (a person's correction, else the model's), by element."""
+    text, conf = p["text"] or "", p.get("word_confidence")
+    if p.get("person_text") is not None:
+        text, conf = p["person_text"], corrected_confidences(text, conf, p["person_text"])
+    return _text_html(text, conf, unsure, f"p{p['page_id']}")
+
+
+def _review_html(p: dict[str, Any], live: bool) -> str:
+    """What a person did to the page (corrected, checked) and, served by `uflash review`, the controls to do it."""
+    e = html.escape
+    cer = f"corrected (model CER {p['cer_vs_correction']:.4f})" if p.get("corrected") else ""
+    states = (f"<span class='state corrected'{'' if cer else ' hidden'}>{e(cer)}</span>"
+              f"<span class='state checked'{'' if p.get('checked') else ' hidden'}>checked</span>")
+    if not live:
+        return f"<div class='review'>{states}</div>"
+    n = p["index"]
+    return (f"<div class='review'><button type='button' class='edit'>edit the text</button>"
+            f"<button type='button' class='save' hidden>save</button><button type='button' class='cancel' hidden>"
+            f"cancel</button><button type='button' class='undo'>undo: back to the model's reading</button>"
+            f"<label><input type='checkbox' class='checked'{' checked' if p.get('checked') else ''} "
+            f"aria-label='page {n} checked'> checked</label>{states}</div>")
+
+
+def _page_html(d: dict[str, Any], p: dict[str, Any], image: str | None, rerun: str, unsure: float,
+               live: bool = False) -> str:
     e = html.escape
     g = p["grade"] or "ungraded"
     q = p["quality"] or {}
@@ -161,14 +189,14 @@ def _page_html(d: dict[str, Any], p: dict[str, Any], image: str | None, rerun: s
     cmd = f"{rerun} --doc {d['id']} --pages {p['index']}-{p['index']}"
     return (f"<section class='page{' good-small' if g == 'good' else ''}' id='{key}' tabindex='-1' "
             f"data-doc='{d['id']}' data-page='{p['index']}' data-grade='{e(g)}' data-repaired='{1 if rec else 0}' "
+            f"data-corrected='{1 if p.get('corrected') else 0}' "
             f"aria-label='{e(d['name'])} page {p['index']}, {e(g)}'>"
             f"<div class='head'><input type='checkbox' class='pick' id='pick-{key}' "
             f"aria-label='pick page {p['index']} of {e(d['name'])} for a re-run'>"
             f"<h3><label for='pick-{key}'>page {p['index']}</label> <span class='grade g-{e(g)}'>{e(g)}</span></h3>"
             f"<code class='cmd'>{e(cmd)}</code> <button type='button' class='copy'>copy command</button></div>"
-            f"<ul class='why'>{why}</ul>{repair}"
-            f"<div class='cols'><div>{picture}</div><div><div class='text'>"
-            f"{_text_html(p['text'] or '', p.get('word_confidence'), unsure, key)}</div>"
+            f"{_review_html(p, live)}<ul class='why'>{why}</ul>{repair}"
+            f"<div class='cols'><div>{picture}</div><div><div class='text'>{reading_html(p, unsure)}</div>"
             f"<details class='figures'><summary>figures</summary><table>{figures}</table></details></div></div>"
             f"</section>")
 
@@ -185,20 +213,22 @@ def _files_html(files: list[dict[str, Any]]) -> str:
 
 
 def render_html(rep: dict[str, Any], images: dict[int, str] | None = None, config_file: str | None = None,
-                unsure: float = 0.5) -> str:
-    """The review page (``images``: page_id -> image data URI; ``config_file``: the config the commands name)."""
+                unsure: float = 0.5, token: str | None = None) -> str:
+    """The review page (``images``: page_id -> image data URI; ``config_file``: the config the commands name;
+    ``token``: served by the review server, ingest.review.server, with its controls and this token)."""
     e = html.escape
     images = images or {}
     r = rep["run"] or {}
     counts = dict(rep["grades"])
     counts["repaired"] = sum(1 for d in rep["documents"] for p in d["pages"] if p.get("repair"))
     rerun = rerun_prefix(config_file)
+    live = f" data-token='{e(token)}'" if token else ""
     buttons = "".join(f"<button type='button' data-grade='{g}' aria-pressed='false'>{g} "
                       f"({rep['pages'] if g == 'all' else counts.get(g, 0)})</button>" for g in FILTERS)
     parts = [f"<!doctype html><html lang='en'><head><meta charset='utf-8'>"
              f"<meta name='viewport' content='width=device-width,initial-scale=1'>"
              f"<title>uflash run {r.get('id')}: review</title><style>{_STYLE}</style></head>"
-             f"<body data-filter='all' data-rerun='{e(rerun)}'>",
+             f"<body data-filter='all' data-rerun='{e(rerun)}'{live}>",
              f"<header class='top'><h1>uflash run {r.get('id')} &middot; {e(str(r.get('mode')))} &middot; "
              f"{e(str(r.get('model')))} <small>{e(run_span(r)) if r else ''}</small></h1>",
              f"<p class='warn' role='alert'>{e(rep['not_calibrated'])}</p>" if rep.get("not_calibrated") else "",
@@ -208,8 +238,11 @@ def render_html(rep: dict[str, Any], images: dict[int, str] | None = None, confi
              "<button type='button' id='pick-shown'>pick all shown</button>"
              "<button type='button' id='pick-none'>pick none</button>"
              "<button type='button' id='copy-picked'>copy the re-run commands of the picked pages</button>"
+             + ("<button type='button' id='rerun-picked'>queue a lossless re-run of the picked pages</button>"
+                if token else "") +
              "<span><span id='npicked'>0</span> picked</span> <span id='status' role='status' aria-live='polite'>"
              "</span></div><pre id='command' aria-label='re-run commands of the picked pages'></pre>"
+             "<ul id='reruns' aria-label='re-runs queued from this page'></ul>"
              "<div class='keys'>keys: j / k next / previous page, x pick it, c copy the commands of the picked pages, "
              "a g f p r show all / good / fair / poor / repaired pages; hover or focus a box or its text to see the "
              "other; <mark class='unsure'>marked</mark> words: the model was unsure of them</div></header><main>",
@@ -218,6 +251,7 @@ def render_html(rep: dict[str, Any], images: dict[int, str] | None = None, confi
         parts.append(f"<h2 data-doc='{d['id']}'>{e(d['name'])} <small>({counted(d['page_count'], 'page')}; document "
                      f"{d['id']})</small></h2>")
         for p in d["pages"]:
-            parts.append(_page_html(d, p, images.get(p["page_id"]), rerun, unsure))
-    parts.append(f"</main><script>{_SCRIPT}</script></body></html>")
+            parts.append(_page_html(d, p, images.get(p["page_id"]), rerun, unsure, live=token is not None))
+    parts.append(f"</main><script>{_SCRIPT}</script>{f'<script>{_LIVE_SCRIPT}</script>' if token else ''}"
+                 "</body></html>")
     return "\n".join(parts)

@@ -14,12 +14,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from db.models import Page
+from db.reviews import PageState, page_states
 from db.runs import get_run, latest_run_with_work, run_pages
 from db.session import Database
 from ingest.errors import UsageError
 from ingest.logs import counted
 from ingest.pages.orientation import page_turn
 from ingest.quality.calibration import NOT_CALIBRATED, uncalibrated_pages
+from ingest.quality.measures import character_error_rate
 from ingest.review.assets import REVIEW_PX, THUMB_PX
 from ingest.review.outcomes import outcome_line, run_outcomes
 from ingest.review.page import page_images, render_html, repair_note, run_span
@@ -35,6 +38,7 @@ def collect_report(db: Database, run_id: int | None = None, grade: str | None = 
     if run is None:
         raise UsageError(f"no run {run_id}")
     rows = run_pages(db, run_id)
+    states = page_states(db, {doc.id for _, doc in rows})
     docs: dict[int, dict[str, Any]] = {}
     grades: dict[str, int] = {}
     for page, doc in rows:
@@ -55,7 +59,7 @@ def collect_report(db: Database, run_id: int | None = None, grade: str | None = 
             "turned": page_turn(st),  # scanned sideways or upside down: read turned (degrees clockwise)
             "tokens_per_second": round(tokens / seconds, 2) if seconds else None,
             "quality": q, "repair": st.get("repair"), "word_confidence": st.get("word_confidence"),
-            "text": page.text})
+            "text": page.text, **review_fields(page, states.get((doc.id, page.page_index)))})
     n_pages = sum(len(d["pages"]) for d in docs.values())
     uncalibrated = uncalibrated_pages([p["quality"] for d in docs.values() for p in d["pages"]])
     return {"run": {"id": run.id, "mode": run.mode, "model": run.model, "started_at": run.started_at.isoformat(),
@@ -66,6 +70,15 @@ def collect_report(db: Database, run_id: int | None = None, grade: str | None = 
             "files": run_outcomes(db, run.id, {doc.id for _, doc in rows}), "documents": list(docs.values()),
             "pages": n_pages, "grades": grades,
             "not_calibrated": NOT_CALIBRATED.format(n=uncalibrated) if uncalibrated else None}
+
+
+def review_fields(page: Page, state: PageState | None) -> dict[str, Any]:
+    """What a person did to the page (``uflash review``): corrected or not (with their reading, and this reading's CER
+    against it), checked or not."""
+    c = state.correction if state else None
+    return {"corrected": c is not None, "checked": bool(state and state.checked),
+            "cer_vs_correction": round(character_error_rate(page.text, c.text or ""), 4) if c else None,
+            "person_text": c.text if c else None}
 
 
 def pages_per_hour(pages: int, started: datetime | None, last_page: datetime | None) -> float | None:
@@ -103,16 +116,31 @@ def format_report(rep: dict[str, Any]) -> str:
 
 
 def _remarks(page: dict[str, Any]) -> list[str]:
-    """The grade's reasons, the turn of a page that was scanned sideways or upside down, and its repair."""
+    """The grade's reasons, the turn of a page that was scanned sideways or upside down, its repair, and what a person
+    did to it (corrected, with this reading's CER against the correction; checked)."""
     return page["reasons"] + ([f"turned {page['turned']}"] if page.get("turned") else []) + \
-        ([repair_note(page["repair"])] if page.get("repair") else [])
+        ([repair_note(page["repair"])] if page.get("repair") else []) + \
+        ([f"corrected (CER {page['cer_vs_correction']:.4f})"] if page.get("corrected") else []) + \
+        (["checked"] if page.get("checked") else [])
 
 
 def report_json(rep: dict[str, Any]) -> str:
-    slim = {**rep, "documents": [{**d, "pages": [{k: v for k, v in p.items() if k not in ("text", "word_confidence")}
+    slim = {**rep, "documents": [{**d, "pages": [{k: v for k, v in p.items()
+                                                  if k not in ("text", "word_confidence", "person_text")}
                                                  for p in d["pages"]]}
                                  for d in rep["documents"]]}
     return json.dumps(slim, ensure_ascii=False)
+
+
+def report_images(rep: dict[str, Any]) -> dict[int, str]:
+    """page_id -> the page's image (a data: URI) for every page of the report: large for fair and poor pages, a
+    thumbnail for good ones (ingest.review.page.page_images)."""
+    images: dict[int, str] = {}
+    for d in rep["documents"]:
+        sizes = {p["index"]: THUMB_PX if p["grade"] == "good" else REVIEW_PX for p in d["pages"]}
+        by_index = page_images(d["original"], d["kind"], sizes, {p["index"]: p.get("turned", 0) for p in d["pages"]})
+        images.update({p["page_id"]: by_index[p["index"]] for p in d["pages"] if p["index"] in by_index})
+    return images
 
 
 def write_html_report(db: Database, outbox: Path, run_id: int | None = None, config_file: Path | str | None = None,
@@ -124,11 +152,7 @@ def write_html_report(db: Database, outbox: Path, run_id: int | None = None, con
     rep = collect_report(db, run_id)
     if rep["run"] is None:
         return None
-    images: dict[int, str] = {}
-    for d in rep["documents"]:
-        sizes = {p["index"]: THUMB_PX if p["grade"] == "good" else REVIEW_PX for p in d["pages"]}
-        by_index = page_images(d["original"], d["kind"], sizes, {p["index"]: p.get("turned", 0) for p in d["pages"]})
-        images.update({p["page_id"]: by_index[p["index"]] for p in d["pages"] if p["index"] in by_index})
+    images = report_images(rep)
     path = outbox / "reports" / f"run-{rep['run']['id']}.html"
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, render_html(rep, images, str(Path(config_file).resolve()) if config_file else None, unsure))

@@ -1,11 +1,12 @@
 """Finishing a document once its chunks are all done: grade its pages, write its outputs, archive its original.
 
 The outputs show the **latest** version of each page (db.pages.latest_pages), so a re-run's pages replace the earlier
-ones there while the ledger keeps both. Each page is graded against its neighbours with the ``[quality]`` thresholds
-(grade and reasons are written into its stats). A document that cannot be finished (a page missing, its outputs
-refused by the file system, its original not archivable) is failed with that reason (its original put in failed/),
-and the others go on; a full or failing disk is not the document's fault (ingest.errors): it waits and is finished
-once there is room.
+ones there while the ledger keeps both; a page a person corrected on the review page shows their reading instead
+(db.reviews, ingest.reading.corrected), until they undo it. Each page is graded against its neighbours with the
+``[quality]`` thresholds (grade and reasons are written into its stats). A document that cannot be finished (a page
+missing, its outputs refused by the file system, its original not archivable) is failed with that reason (its original
+put in failed/), and the others go on; a full or failing disk is not the document's fault (ingest.errors): it waits and
+is finished once there is room.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from loguru import logger
 from db.documents import fail_document, finish_document, get_document, ready_to_finish, unfinished_documents
 from db.models import Document, Page, Run
 from db.pages import done_documents_with_pages_of_run, latest_pages, set_page_stats
+from db.reviews import page_states
 from db.runs import runs
 from db.session import Database
 from ingest.config import Settings
@@ -29,6 +31,7 @@ from ingest.intake.failed import file_failed
 from ingest.outputs.write import holds_another_document, write_document_outputs
 from ingest.quality.calibration import grading_thresholds
 from ingest.quality.grades import grade_document, plain_text
+from ingest.reading.corrected import with_reading
 
 
 @dataclass
@@ -70,6 +73,8 @@ class Finisher:
             run["earlier_runs"] = [run_record(r) for r in produced_by[:-1]]
         page_dicts = [{"index": p.page_index, "text": p.text, "boxes": p.boxes, "stats": p.stats, "run_id": p.run_id,
                        **({"note": p.stats["note"]} if p.stats.get("note") else {})} for p in pages]
+        states = page_states(self.db, [doc_id])  # a page a person corrected shows their reading
+        page_dicts = [with_reading(p, states.get((doc_id, p["index"]))) for p in page_dicts]
         # the scan under the searchable PDF: the archived original on a re-run, else the one still in place
         scan = next((Path(q) for q in (doc.archived_path, doc.original_path) if q and Path(q).exists()), None)
         try:

@@ -327,6 +327,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a tiny random target (CPU smoke run)")
     ap.add_argument("--out", help="drafter folder (default: <model>/drafter)")
     ap.add_argument("--images", help="train on the pages of the PDFs/images in this folder instead of synthetic ones")
+    ap.add_argument("--pairs", help="train on pages people corrected, their texts as labels (the folder `uflash "
+                                    "export-corrections --out DIR` wrote)")
     ap.add_argument("--pages", type=int, default=200, help="training pages")
     ap.add_argument("--page-seed", type=int, default=1_000_000,
                     help="seed of the first synthetic training page (>= 1,000,000; a fresh range to continue on "
@@ -377,7 +379,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not args.model and not args.tiny:
         ap.error("--model PATH or --tiny")
-    data = args.data if args.data != "auto" else ("decode" if args.images else "labels")
+    data = args.data if args.data != "auto" else ("decode" if args.images and not args.pairs else "labels")
     if data == "labels" and args.images:
         ap.error("--data labels needs synthetic pages (your own pages have no labels): leave out --images")
     if args.page_seed < 1_000_000:
@@ -424,7 +426,11 @@ def main(argv=None) -> int:
         return ExitCode.OK
     t0 = time.time()
     labels = None
-    if args.images:
+    if args.pairs:
+        from ingest.review.export import read_pairs
+
+        pages, labels = read_pairs(Path(args.pairs), args.pages)
+    elif args.images:
         pages = folder_pages(Path(args.images), args.pages)
     else:
         pages, labels = synthetic_pages(args.pages, args.page_seed, args.workers)
@@ -455,7 +461,7 @@ def main(argv=None) -> int:
         config = BlockDrafterConfig(target_hidden=text_cfg.hidden_size, layers=layers, block=args.block,
                                     context=context, dim=args.dim, num_layers=args.drafter_layers, memory=args.memory,
                                     meta={"model": str(args.model), "pages": len(pages), "data": data,
-                                          "source": args.images or "synthetic scan-like pages"})
+                                          "source": args.pairs or args.images or "synthetic scan-like pages"})
         net = BlockDrafterNet(config).to(loaded.device)
     if loaded.dtype != torch.float32:
         net = net.to(loaded.dtype)
