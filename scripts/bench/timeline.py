@@ -46,7 +46,7 @@ PROBES = {  # name: (module, attribute path), or several whose times add up
     "orientation": [("ingest.worker.probes", "Turns.start"), ("ingest.worker.probes", "Turns.ended")],
     "submit": ("engine.chunk_decode", "EngineDecoder.submit"),
     "engine_steps": ("engine.chunk_decode", "EngineDecoder.engine_step"),
-    "quality_checks": ("ingest.worker.worker", "checked_stats"),
+    "quality_checks": ("ingest.worker.checks", "checked_stats"),
     "ledger_claim": ("ingest.worker.worker", "claim"),
     "ledger_release": ("ingest.worker.worker", "release"),
     "ledger_store": ("ingest.worker.worker", "store_chunk"),
@@ -58,6 +58,7 @@ _depth = threading.local()  # probes running on this thread (a probe inside anot
 _engines: list = []
 _pools: list = []  # page-preparation pools: their processes' own time
 _lock = threading.Lock()
+_turns = {"turns": 0, "turns_s": 0.0, "steps_s": 0.0, "first": None, "last": None}  # the loop's decoding turns
 
 
 def _timed(name: str, fn):
@@ -79,9 +80,46 @@ def _timed(name: str, fn):
     return wrapper
 
 
+def _decoding_turns(fn):
+    """``Worker._step`` timed when the worker has chunks decoding as it starts (no wait of the loop's is in such a turn):
+    its wall, and the engine steps' main-thread seconds within it; the rest is the decode loop's thread held up by
+    other work (claims, submissions, stores, and any per-page work left on it)."""
+    @functools.wraps(fn)
+    def turn(self, *args, **kwargs):
+        if not self.inflight or threading.current_thread() is not threading.main_thread():
+            return fn(self, *args, **kwargs)
+        steps0, t = _totals.get("engine_steps", {}).get("main_s", 0.0), time.perf_counter()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            end = time.perf_counter()
+            with _lock:
+                _turns["turns"] += 1
+                _turns["turns_s"] += end - t
+                _turns["steps_s"] += _totals.get("engine_steps", {}).get("main_s", 0.0) - steps0
+                _turns["first"] = t if _turns["first"] is None else _turns["first"]
+                _turns["last"] = end
+    return turn
+
+
+def main_outside_steps(turns: dict) -> dict:
+    """The decode loop's thread outside engine steps while chunks decode: seconds, and share of the span from the
+    first such turn to the last (the wall while the engine had rows)."""
+    outside = max(0.0, turns["turns_s"] - turns["steps_s"])
+    span = (turns["last"] - turns["first"]) if turns["first"] is not None else 0.0
+    return {"turns": turns["turns"], "decoding_span_s": round(span, 3), "engine_steps_s": round(turns["steps_s"], 3),
+            "outside_steps_s": round(outside, 3), "outside_steps_share": round(outside / span, 4) if span else None}
+
+
 def install() -> list[str]:
     """Wrap every probe; the names of those not found."""
     missing = []
+    try:
+        from ingest.worker.worker import Worker
+
+        Worker._step = _decoding_turns(Worker._step)
+    except (ImportError, AttributeError):
+        missing.append("decoding_turns (ingest.worker.worker.Worker._step)")
     for name, targets in PROBES.items():
         for module, path in targets if isinstance(targets, list) else [targets]:
             try:
@@ -131,7 +169,8 @@ def report(imports_s: float, missing: list[str]) -> dict:
             "probes": {k: {kk: round(vv, 3) for kk, vv in v.items()} for k, v in _totals.items()},
             "engine": {k: round(v, 3) for k, v in engine.items()}, "engine_trace": trace,
             "preparation_processes": {k: round(v, 3) for k, v in pools.items()},
-            "main_other_s": round(wall - imports_s - covered, 3), "missing": missing}
+            "main_other_s": round(wall - imports_s - covered, 3), "main_outside_steps": main_outside_steps(_turns),
+            "missing": missing}
 
 
 # -- read by scripts.bench.pipeline (the parent process) --------------------------------------------------
@@ -180,6 +219,9 @@ def print_timeline(row: dict) -> None:
               f"{pools['restarts']} restarts)")
     print("(graph capture runs inside model load or engine steps; vision, prefill, decode steps and engine host work "
           "make up the engine steps, repairs' and probes' included)")
+    if (m := t.get("main_outside_steps") or {}).get("outside_steps_share") is not None:
+        print(f"decode loop's thread outside engine steps while chunks decode: {m['outside_steps_s']:.2f} s, "
+              f"{100 * m['outside_steps_share']:.2f}% of the {m['decoding_span_s']:.1f} s they decoded in")
 
 
 class GpuSampler:
