@@ -162,7 +162,7 @@ def _admit(engine, take: list, free: list[int]) -> list[ChunkResult]:
     engine.admission_hook(take)
     inputs = [r.inputs.to(engine.loaded.device, dtype=engine.loaded.dtype) for r in take]
     embeds = embed_chunks(engine.loaded.model, engine.loaded.image_token_id, inputs, engine.vision_group,
-                          engine.pad_vision)
+                          engine.pad_vision, attention=engine.vision_attention)
     del inputs
     vision_s = (time.perf_counter() - t0) / len(take)
     engine.timing["vision_s"] += vision_s * len(take)

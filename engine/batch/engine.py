@@ -44,6 +44,7 @@ from engine.kernels.step_graphs import GraphCaptureError, StepGraphs, cuda_graph
 from engine.model.forward import BatchForward
 from engine.model.kv_slots import PREFIX_BUCKETS, KVSlots, bucket, pow2_buckets
 from engine.model.load import LoadedModel
+from engine.model.sam_attention import resolve as resolve_vision_attention
 from engine.ngram_rule import official_rule
 from engine.official import chunk_inputs
 
@@ -64,7 +65,8 @@ class BatchEngine:
     the check point, finish reason ``repetition`` (`engine.batch.loop_watch`; every ``loop_every`` page tokens);
     None: rows run to EOS or their limit, as ``generate()``. step_tokens: the most tokens one step runs over all its
     rows (its logits and activations are sized by it; a step of many rows then runs narrower: `widest_at`); default:
-    every row at the widest width."""
+    every row at the widest width. vision_attention: SAM's attention in the engine's vision calls
+    (`engine.model.sam_attention`: auto = a fused kernel on CUDA, the model's own code elsewhere)."""
 
     def __init__(self, loaded: LoadedModel, mode: str = "lossless", *, max_batch: int = 1, k_max: int = 16,
                  drafters: tuple[str, ...] = DRAFTERS, fast_threshold: float = 0.3, block_net=None,
@@ -72,7 +74,8 @@ class BatchEngine:
                  graphs: str | bool = "auto", kernels: str = "torch", moe: str = "auto", attn: str = "auto",
                  linear: str = "auto", prefix_capacity: int = 0, vision_group: int = VISION_GROUP, drafter_factory=None,
                  adaptive_width: bool = True, admit_pages: int = ADMIT_PAGES, admit_tokens: int = ADMIT_TOKENS,
-                 loop_check=None, loop_every: int = LOOP_EVERY, step_tokens: int | None = None):
+                 loop_check=None, loop_every: int = LOOP_EVERY, step_tokens: int | None = None,
+                 vision_attention: str = "auto"):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         if set(drafters) - set(DRAFTERS) or k_max < 1 or max_batch < 1 or not 0.0 < fast_threshold <= 1.0:
@@ -112,6 +115,7 @@ class BatchEngine:
         self.block = BlockRows(block_net, model.get_input_embeddings(), model.lm_head, max_batch,
                                graphs=bool(graphs)) if use_block else None
         self.vision_group, self.pad_vision = vision_group, kernels == "invariant"
+        self.vision_attention = resolve_vision_attention(vision_attention, loaded.device)
         self.row_buckets = pow2_buckets(max_batch)
         self.step_width = StepWidth(self.widths)
         self.max_batch = self.row_limit = max_batch
