@@ -4,7 +4,7 @@
 
 Runs ``ingest.commands.cli`` in this process after wrapping the functions that do each kind of work with timers
 (nothing in ``engine/`` or ``ingest/`` changes; a function that is not there any more is listed under ``missing``;
-the JSON is rewritten every 5 s too, so a run stopped at once keeps the timeline of a moment before):
+the JSON is rewritten every 5 s too, and when a second SIGTERM stops the process at once):
 imports (ingest's CLI, torch, transformers), intake of the named files, model load (``engine.loading.load_decoder``: weights, engine, buffers),
 graph capture (``StepGraphs.capture``), the tokens the engines decoded (``engine.decoded``, chunks in flight
 included) and their trace (``engine_trace``: wall clock, steps, tokens, rows, about once a second), page preparation (``ingest.pages.prefetch``'s ``prepare`` in its thread, or
@@ -27,6 +27,7 @@ import atexit
 import functools
 import importlib
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -149,15 +150,24 @@ def _keep_instances(cls, kept: list) -> None:
     cls.__init__ = keep
 
 
+def _cuda_peak_gib() -> float | None:
+    """The most memory torch held allocated on this process's GPU (None: no CUDA used)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return round(torch.cuda.max_memory_allocated() / 2**30, 2)
+
+
 def report(imports_s: float, missing: list[str]) -> dict:
     wall = time.perf_counter() - T0
-    engine = {"vision_s": 0.0, "prefill_s": 0.0, "steps_s": 0.0, "steps": 0, "decoded": 0}
+    engine = {"vision_s": 0.0, "prefill_s": 0.0, "steps_s": 0.0, "steps": 0, "decoded": 0, "rows": 0}
     trace = []  # (wall clock, steps, tokens decoded, rows) about once a second, of every engine made
     for e in _engines:
         for key in ("vision_s", "prefill_s", "steps_s"):
             engine[key] += float(getattr(e, "timing", {}).get(key, 0.0))
         engine["steps"] += int(getattr(e, "steps", 0))
         engine["decoded"] += int(getattr(e, "decoded", 0))
+        engine["rows"] = max(engine["rows"], int(getattr(e, "max_batch", 0)))  # the rows it was sized for
         trace += [list(point) for point in getattr(e, "trace", [])]
     pools = {"processes": 0, "jobs": 0, "pages": 0, "prepare_s": 0.0, "receive_s": 0.0, "restarts": 0}
     for p in _pools:
@@ -170,6 +180,7 @@ def report(imports_s: float, missing: list[str]) -> dict:
             "engine": {k: round(v, 3) for k, v in engine.items()}, "engine_trace": trace,
             "preparation_processes": {k: round(v, 3) for k, v in pools.items()},
             "main_other_s": round(wall - imports_s - covered, 3), "main_outside_steps": main_outside_steps(_turns),
+            "cuda_peak_gib": _cuda_peak_gib(),
             "missing": missing}
 
 
@@ -286,6 +297,14 @@ def main(argv: list[str] | None = None) -> int:
             write()
 
     atexit.register(write)
+    exit_now = os._exit  # a second SIGTERM stops the process at once (ingest.worker.lifecycle): written first
+
+    def written_then_exit(code: int) -> None:
+        if threading.current_thread() is threading.main_thread():
+            write()
+        exit_now(code)
+
+    os._exit = written_then_exit
     threading.Thread(target=every, args=(5.0,), daemon=True).start()
     return cli.main(args)
 
