@@ -240,7 +240,13 @@ def run_generate(loaded, chunks, tokens: int, device: str, warm_tokens: int = 8)
 WARM_TOKENS = 64  # the untimed run before a timed one: the shapes the width choice explores first are captured there
 
 
-VISION_ATTENTION = ["auto"]  # SAM's attention in the engines' vision calls (--vision-attention; engine.model.sam_attention)
+VISION = {"attention": "auto", "ahead": "auto"}  # the engines' vision: --vision-attention, --vision-ahead
+
+
+def add_vision_options(ap) -> None:
+    ap.add_argument("--vision-attention", default="auto", help="SAM's attention: auto, model, sdpa or flex")
+    ap.add_argument("--vision-ahead", choices=("auto", "on", "off"), default="auto",
+                    help="waiting chunks' pages through the vision tower while rows decode (auto: on CUDA)")
 
 
 def run_engine(loaded, chunks, tokens: int, device: str, mode: str, kernels: str, drafts=None, k_max: int = 16,
@@ -255,7 +261,8 @@ def run_engine(loaded, chunks, tokens: int, device: str, mode: str, kernels: str
     free_at_start = round(free_gb(), 2) if device.startswith("cuda") else None
     engine = BatchEngine(loaded, mode, max_batch=max_batch or len(chunks), kernels=kernels, k_max=k_max,
                          drafter_factory=factory, vision_group=vision_group, step_tokens=step_tokens,
-                         vision_attention=VISION_ATTENTION[0])
+                         vision_attention=VISION["attention"],
+                         vision_ahead={"on": True, "off": False}.get(VISION["ahead"], "auto"))
     if warm:
         engine.run([engine.prepare(c, min(WARM_TOKENS, tokens), key=i) for i, c in enumerate(chunks)])
     capture_before = engine.graphs.capture_s if engine.graphs is not None else 0.0
@@ -289,7 +296,7 @@ def run_engine(loaded, chunks, tokens: int, device: str, mode: str, kernels: str
            "admit_s": round(engine.timing["vision_s"] + engine.timing["prefill_s"], 3),
            "vision_s": round(engine.timing["vision_s"], 3), "prefill_s": round(engine.timing["prefill_s"], 3),
            "vision_ms_per_page": round(1000 * engine.timing["vision_s"] / max(1, sum(map(len, chunks))), 3),
-           "vision_attention": engine.vision_attention,
+           "vision_attention": engine.vision_attention, "vision_ahead_pages": engine.ahead.pages,
            "first_chunk_done_s": round(first_done or 0.0, 3),
            "capture_s": round(engine.graphs.capture_s - capture_before, 3) if engine.graphs is not None else 0.0,
            "steps_by_width": {str(w): c - width_before.get(w, 0) for w, c in sorted(engine.width_steps.items())
@@ -441,13 +448,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mem-batch", type=int, default=64)
     ap.add_argument("--k-max", type=int, default=16)
     ap.add_argument("--vision-group", type=int, default=8)
-    ap.add_argument("--vision-attention", default="auto", help="SAM's attention: auto, model, sdpa or flex")
+    add_vision_options(ap)
     ap.add_argument("--device", default=None)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (a loaded CPU: 1)")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--plant", type=float, default=100.0)
     args = ap.parse_args(argv)
-    VISION_ATTENTION[0] = args.vision_attention
+    VISION.update(attention=args.vision_attention, ahead=args.vision_ahead)
     t_start = time.perf_counter()
     args.device = args.device or ("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("fp32" if args.device == "cpu" else "bf16")]
