@@ -1,9 +1,10 @@
-"""Checking decoded chunks beside the decode loop: a thread of the worker computes each ended chunk's page stats
-(ingest.worker.outcome.checked_stats: its figures, word confidences, the chunk's checks, and the repair of the pages
-those checks catch), so that the loop's thread does nothing but decoding and the ledger's bookkeeping.
+"""Checking and storing decoded chunks beside the decode loop: a thread of the worker computes each ended chunk's
+page stats (ingest.worker.outcome.checked_stats: its figures, word confidences, the chunk's checks, and the repair of
+the pages those checks catch) and stores it (``store``: the worker's one function that writes a chunk's pages), so
+that the loop's thread does nothing but decoding and its claims.
 
-The loop hands a chunk over (``put``) and takes it back checked (``take``: the chunk, its output and its pages' stats,
-or the error the check met), then stores it itself: the ledger is written in one place, as before. A repair decodes
+The loop hands a chunk over (``put``) and takes it back settled (``take``: the chunk, its output and None once
+stored, or the error the check or the store met, which the loop raises as it always did). A repair decodes
 a page again alone on the same decoder, which only the loop's thread drives: the check asks for it
 (``decode_alone``, which waits), the loop submits it beside its other rows (``repairs``) and hands the output back
 (``resolve``) when the engine ends it. A chunk is still the worker's while it is checked: its lease is held by the
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from itertools import count
@@ -48,12 +50,13 @@ class Repair:
     future: Future = field(default_factory=Future)
 
 
-Checked = tuple[PreparedChunk, ChunkOutput, "list[dict[str, Any]] | BaseException"]
+Checked = tuple[PreparedChunk, ChunkOutput, "BaseException | None"]
+Store = Callable[[PreparedChunk, ChunkOutput, "list[dict[str, Any]]"], None]
 
 
 class ChunkChecks:
-    def __init__(self, settings: Settings):
-        self.settings = settings
+    def __init__(self, settings: Settings, store: Store):
+        self.settings, self.store = settings, store
         self._todo: deque[tuple[PreparedChunk, ChunkOutput, Any]] = deque()
         self._running: PreparedChunk | None = None
         self._done: list[Checked] = []
@@ -72,7 +75,8 @@ class ChunkChecks:
             self._cond.notify_all()
 
     def take(self) -> list[Checked]:
-        """The chunks checked since the last call, in the order they were handed over."""
+        """The chunks checked and stored (or not: their error) since the last call, in the order they were handed
+        over."""
         with self._cond:
             done, self._done = self._done, []
         return done
@@ -133,9 +137,9 @@ class ChunkChecks:
                     return
                 chunk, out, tokenizer = self._todo.popleft()
                 self._running = chunk
+            result: BaseException | None = None
             try:
-                result: list[dict[str, Any]] | BaseException = checked_stats(self.settings, chunk, out, tokenizer,
-                                                                             self.decode_alone)
+                self.store(chunk, out, checked_stats(self.settings, chunk, out, tokenizer, self.decode_alone))
             except Exception as e:  # noqa: BLE001 - handed to the loop's thread, which raises it as before
                 result = e
             with self._cond:

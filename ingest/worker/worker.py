@@ -9,7 +9,7 @@ page-preparation processes, ``worker.prepare_processes``, ingest.pages.pool); a 
 has them probed (ingest.worker.probes: the probes decode beside the other rows) and is submitted once they are in; each
 engine step hands back the chunks that ended, and each is checked by a thread of its own (ingest.worker.checks: page
 figures, word confidences, the chunk's checks; caught pages of a multi-page chunk decoded again alone beside the other
-rows, ingest.quality.repair), so that the loop's thread only decodes, and then stored by the loop in its own transaction
+rows, ingest.quality.repair), and stored there in its own transaction, so that the loop's thread only decodes
 (ingest.worker.outcome says what becomes of it). A document whose chunks are all stored is finished by a thread of its
 own (ingest.worker.finish_queue) while the loop steps on. A chunk is stored only while its lease is held (db.chunks): a
 worker killed with chunks in flight leaves nothing of them behind, the chunks it stored stay stored, and the others are
@@ -96,7 +96,7 @@ class Worker:
         self.trouble = self.trouble or Trouble(self.settings.logs, "worker")
         self.finisher = Finisher(self.settings, self.db, self.document_ids)
         self.finishing = FinishQueue(self.finisher)
-        self.checks = ChunkChecks(self.settings)
+        self.checks = ChunkChecks(self.settings, self._store_checked)
         self.repairs: dict[RepairKey, Repair] = {}  # pages the checks decode again alone, decoding now
         self.run = self.run or RunHandle(self.db, self.settings, self.owner, self.fresh_run)
         self.turns = Turns(self.settings)
@@ -159,7 +159,8 @@ class Worker:
         wanted work is done. Trouble with the ledger or the machine is waited out with a growing backoff."""
         self._stop, first = stop, True
         prefetch = Prefetcher(self.settings, self.db, self.pool)
-        self.finishing, self.checks, self.repairs = FinishQueue(self.finisher), ChunkChecks(self.settings), {}
+        self.finishing, self.repairs = FinishQueue(self.finisher), {}
+        self.checks = ChunkChecks(self.settings, self._store_checked)
         try:
             with self.leases, prefetch, self.finishing, self.checks:
                 while not (stop.is_set() and not self.inflight and not self.checks.busy):
@@ -258,22 +259,22 @@ class Worker:
             if early is not None:
                 self.checks.resolve(self.repairs.pop(r.key), early)
 
+    def _store_checked(self, chunk: PreparedChunk, out: ChunkOutput, stats: list[dict[str, Any]]) -> None:
+        """On the checks' thread: store a checked chunk."""
+        self.leases.drop(chunk.claim)  # (a lease taken over meanwhile: the store finds it gone and stores nothing)
+        self._store(chunk, out, stats)
+
     def _settle_checked(self) -> None:
-        """Store the chunks whose checks ended; a check's error is raised here, on the loop's thread."""
+        """Settle the chunks the checks' thread checked and stored; its error is raised here, on the loop's thread
+        (the chunk, and those after it, given back)."""
         checked = self.checks.take()
-        for i, (chunk, out, stats) in enumerate(checked):
+        for i, (chunk, _, error) in enumerate(checked):
             c = chunk.claim
-            self._unsettled.append(c)  # until settled: the ledger's trouble half-way gives it back
-            try:
-                if isinstance(stats, BaseException):
-                    raise stats
-                self.leases.drop(c)  # (a lease taken over meanwhile: the store finds it gone and stores nothing)
-                self._store(chunk, out, stats)
-            except Exception:  # the chunks after it are given back
-                self._unsettled += [later.claim for later, _, _ in checked[i + 1:]]
-                raise
-            self._unsettled.remove(c)
-            self._file_failed([c.document_id])
+            if error is not None:
+                self._unsettled += [c] + [later.claim for later, _, _ in checked[i + 1:]]
+                raise error
+            self.leases.drop(c)
+            self._file_failed([c.document_id])  # failed now, or by an earlier chunk once this one is settled
 
     def _load_ahead(self) -> None:
         """Load the model while the first chunks claimed are prepared (and their preparation processes start), not
