@@ -109,9 +109,9 @@ class ChunkChecks:
             self._cond.wait_for(lambda: self._done or self._repairs or not (self._todo or self._running), timeout)
 
     def left(self) -> list[Claim]:
-        """The claims of the chunks handed over and not taken back (the worker gives them back when it leaves)."""
+        """The claims of the chunks handed over and not stored (the worker gives them back when it leaves)."""
         with self._cond:
-            chunks = [c for c, _, _ in self._todo] + [c for c, _, _ in self._done] + \
+            chunks = [c for c, _, _ in self._todo] + [c for c, _, e in self._done if e is not None] + \
                 ([self._running] if self._running is not None else [])
             self._todo.clear()
             self._done = []
