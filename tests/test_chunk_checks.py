@@ -4,11 +4,12 @@ repair waits for the loop to decode it, an error comes back to the loop, and lea
 
 from __future__ import annotations
 
+import sys
 import threading
 from types import SimpleNamespace
 
 import ingest.worker.checks as checks_module
-from ingest.worker.checks import ChunkChecks, WorkerStopped
+from ingest.worker.checks import SWITCH_INTERVAL, ChunkChecks, WorkerStopped
 
 
 def chunk(n: int):
@@ -27,7 +28,9 @@ def test_checked_chunks_are_stored_on_the_thread_and_repairs_decoded_by_the_loop
         return [{"out": out}]
 
     monkeypatch.setattr(checks_module, "checked_stats", check)
+    interval = sys.getswitchinterval()
     with ChunkChecks(None, lambda c, out, stats: stored.append((c.label, stats))) as checks:
+        assert sys.getswitchinterval() == min(interval, SWITCH_INTERVAL)  # the loop's thread gets the lock back soon
         checks.put(chunk(1), "fine", None)
         checks.put(chunk(2), "repair me", None)
         checks.put(chunk(3), "bad", None)
@@ -45,7 +48,7 @@ def test_checked_chunks_are_stored_on_the_thread_and_repairs_decoded_by_the_loop
     assert [c.label for c, _, _ in done] == ["chunk 1", "chunk 2", "chunk 3"] and threads == {"checks"}
     assert [e for *_, e in done][:2] == [None, None] and isinstance(done[2][2], ValueError)
     assert stored == [("chunk 1", [{"out": "fine"}]), ("chunk 2", [{"alone": "the page read alone"}])]
-    assert not checks.busy and checks.left() == []
+    assert not checks.busy and checks.left() == [] and sys.getswitchinterval() == interval
 
 
 def test_leaving_gives_back_the_chunks_not_stored_and_ends_a_check_that_waits_for_a_repair(monkeypatch):

@@ -9,10 +9,15 @@ a page again alone on the same decoder, which only the loop's thread drives: the
 (``decode_alone``, which waits), the loop submits it beside its other rows (``repairs``) and hands the output back
 (``resolve``) when the engine ends it. A chunk is still the worker's while it is checked: its lease is held by the
 heartbeat, and the worker gives it back (``left``) when it leaves with chunks still being checked.
+
+The checks are Python and hold the interpreter's lock while they run: while the thread lives, the interpreter's switch
+interval is ``SWITCH_INTERVAL`` (its default is 5 ms), so that the loop's thread, back from waiting on the GPU, gets
+the lock back within a fraction of a decode step.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -28,6 +33,7 @@ from ingest.pages.prepare import PreparedChunk
 from ingest.worker.outcome import checked_stats
 
 THREAD_NAME = "checks"
+SWITCH_INTERVAL = 0.0005  # seconds a thread may hold the interpreter's lock while another waits for it
 
 
 class WorkerStopped(RuntimeError):
@@ -149,7 +155,8 @@ class ChunkChecks:
                 self._cond.notify_all()
 
     def __enter__(self) -> ChunkChecks:
-        self._closing = False
+        self._closing, self._interval = False, sys.getswitchinterval()
+        sys.setswitchinterval(min(self._interval, SWITCH_INTERVAL))
         self._thread = threading.Thread(target=self._loop, name=THREAD_NAME, daemon=True)
         self._thread.start()
         return self
@@ -165,3 +172,4 @@ class ChunkChecks:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        sys.setswitchinterval(self._interval)
