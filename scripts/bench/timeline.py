@@ -160,10 +160,11 @@ def _cuda_peak_gib() -> float | None:
 
 def report(imports_s: float, missing: list[str]) -> dict:
     wall = time.perf_counter() - T0
-    engine = {"vision_s": 0.0, "prefill_s": 0.0, "steps_s": 0.0, "steps": 0, "decoded": 0, "rows": 0}
+    engine = {"vision_s": 0.0, "vision_ahead_s": 0.0, "prefill_s": 0.0, "steps_s": 0.0, "steps": 0, "decoded": 0,
+              "rows": 0}
     trace = []  # (wall clock, steps, tokens decoded, rows) about once a second, of every engine made
     for e in _engines:
-        for key in ("vision_s", "prefill_s", "steps_s"):
+        for key in ("vision_s", "vision_ahead_s", "prefill_s", "steps_s"):
             engine[key] += float(getattr(e, "timing", {}).get(key, 0.0))
         engine["steps"] += int(getattr(e, "steps", 0))
         engine["decoded"] += int(getattr(e, "decoded", 0))
@@ -192,7 +193,7 @@ def timeline_rows(t: dict) -> list[tuple[str, float, float, float]]:
     steps = probes.get("engine_steps", {})
     capture = probes.get("graph_capture", {})
     pools = t.get("preparation_processes", {})
-    inside = engine.get("vision_s", 0.0) + engine.get("prefill_s", 0.0) + engine.get("steps_s", 0.0)
+    inside = sum(engine.get(k, 0.0) for k in ("vision_s", "vision_ahead_s", "prefill_s", "steps_s"))
 
     def probe(name: str, key: str, processes: float = 0.0) -> tuple[str, float, float, float]:
         return name, probes.get(key, {}).get("main_s", 0.0), probes.get(key, {}).get("other_s", 0.0), processes
@@ -204,7 +205,9 @@ def timeline_rows(t: dict) -> list[tuple[str, float, float, float]]:
             probe("prepared pages copied", "prepared_copy"), probe("orientation probes", "orientation"),
             probe("submit (processor)", "submit"),
             ("graph capture", capture.get("main_s", 0.0), capture.get("other_s", 0.0), 0.0),
-            ("vision", engine.get("vision_s", 0.0), 0.0, 0.0), ("prefill", engine.get("prefill_s", 0.0), 0.0, 0.0),
+            ("vision", engine.get("vision_s", 0.0), 0.0, 0.0),
+            ("vision ahead (launch)", engine.get("vision_ahead_s", 0.0), 0.0, 0.0),
+            ("prefill", engine.get("prefill_s", 0.0), 0.0, 0.0),
             ("decode steps", engine.get("steps_s", 0.0), 0.0, 0.0),
             ("engine host work", max(0.0, steps.get("main_s", 0.0) - inside), 0.0, 0.0),
             probe("quality checks", "quality_checks"), probe("finishing documents", "finishing"),
