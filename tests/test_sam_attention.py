@@ -33,7 +33,8 @@ def test_fused_sam_attention_equals_the_models_own_code(tiny_model_dir, layers):
         assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(own, fused)), kind
     assert not sam_attention._flex_failed  # the flex path ran (eager, the reference path, on the CPU)
     assert all("forward" not in vars(attn) for attn in swapped)  # the model's own code again after the with
-    assert resolve("auto", "cpu") == "model" and resolve("auto", "cuda:0") == "flex"
+    assert resolve("auto", "cpu") == "model" and resolve("auto", "cuda:0", torch.bfloat16) == "flex"
+    assert resolve("auto", "cuda:0", torch.float32) == "model"  # fp32: the exactness reference keeps the model's code
     with pytest.raises(ValueError):
         resolve("fast", "cpu")
 

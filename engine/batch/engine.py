@@ -67,9 +67,9 @@ class BatchEngine:
     None: rows run to EOS or their limit, as ``generate()``. step_tokens: the most tokens one step runs over all its
     rows (its logits and activations are sized by it; a step of many rows then runs narrower: `widest_at`); default:
     every row at the widest width. vision_attention: SAM's attention in the engine's vision calls
-    (`engine.model.sam_attention`: auto = a fused kernel on CUDA, the model's own code elsewhere). vision_ahead: the
-    pages of chunks waiting for a row through the vision tower while the rows decode (`engine.batch.vision_ahead`; auto:
-    on CUDA, on a second stream)."""
+    (`engine.model.sam_attention`: auto = a fused kernel on CUDA in bf16/fp16, the model's own code elsewhere).
+    vision_ahead: the pages of chunks waiting for a row through the vision tower while the rows decode
+    (`engine.batch.vision_ahead`; auto: on CUDA in bf16/fp16, on a second stream)."""
 
     def __init__(self, loaded: LoadedModel, mode: str = "lossless", *, max_batch: int = 1, k_max: int = 16,
                  drafters: tuple[str, ...] = DRAFTERS, fast_threshold: float = 0.3, block_net=None,
@@ -118,9 +118,10 @@ class BatchEngine:
         self.block = BlockRows(block_net, model.get_input_embeddings(), model.lm_head, max_batch,
                                graphs=bool(graphs)) if use_block else None
         self.vision_group, self.pad_vision = vision_group, kernels == "invariant"
-        self.vision_attention = resolve_vision_attention(vision_attention, loaded.device)
-        self.ahead = VisionAhead(loaded.device, loaded.device.type == "cuda" if vision_ahead == "auto" else
-                                 bool(vision_ahead), ahead_pages=max(self.admit_pages, vision_group))
+        self.vision_attention = resolve_vision_attention(vision_attention, loaded.device, loaded.dtype)
+        half_on_cuda = loaded.device.type == "cuda" and loaded.dtype != torch.float32  # (fp32: the exactness path)
+        self.ahead = VisionAhead(loaded.device, half_on_cuda if vision_ahead == "auto" else bool(vision_ahead),
+                                 ahead_pages=max(self.admit_pages, vision_group))
         self.row_buckets = pow2_buckets(max_batch)
         self.step_width = StepWidth(self.widths)
         self.max_batch = self.row_limit = max_batch

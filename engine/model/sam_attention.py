@@ -9,7 +9,8 @@ once per score, and no flash kernel takes it. Here, ``flex``: PyTorch's FlexAtte
 adds the two table entries inside the fused kernel (nothing of [patches, patches] is ever stored); ``sdpa``: the
 bias as an additive mask of scaled-dot-product attention (what the model's SDPA class does, whichever class the model
 was loaded with). ``model``: the model's own code, untouched (the CPU fp32 default: tests compare it with
-``generate()``). ``auto``: ``flex`` on CUDA, ``model`` elsewhere.
+``generate()``). ``auto``: ``flex`` on CUDA in bf16 or fp16, ``model`` elsewhere (fp32 is the exactness reference:
+there the engine's features are the model's own, as ``generate()``'s are).
 
 ``fused_sam_attention(model, kind)`` swaps the forward of the model's SAM attention layers for as long as the
 ``with`` lasts (layers: ``global``, the global-attention layers only, or ``all``), so the official ``generate()`` path
@@ -32,13 +33,13 @@ KINDS = ("auto", "model", "sdpa", "flex")
 _flex_failed: list[str] = []  # the error the compiled flex kernel met on this machine, once
 
 
-def resolve(kind: str, device: torch.device | str) -> str:
-    """``auto``: ``flex`` on CUDA, ``model`` elsewhere; any other kind as it is."""
+def resolve(kind: str, device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> str:
+    """``auto``: ``flex`` on CUDA in a half-precision dtype, ``model`` elsewhere; any other kind as it is."""
     if kind not in KINDS:
         raise ValueError(f"vision attention must be one of {KINDS}, not {kind!r}")
     if kind != "auto":
         return kind
-    return "flex" if torch.device(device).type == "cuda" else "model"
+    return "flex" if torch.device(device).type == "cuda" and dtype != torch.float32 else "model"
 
 
 def sam_attention_layers(model, layers: str = "global") -> list[torch.nn.Module]:
