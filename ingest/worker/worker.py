@@ -172,9 +172,11 @@ class Worker:
                             first = False
                         if until is not None and not (self.inflight or self.checks.busy or prefetch.pending or
                                                       self._ready) and until():
+                            self.trouble.ok()  # (``until`` read the ledger: it works)
                             break
                         self._step(stop, prefetch)
-                        self.trouble.ok()
+                        if not (self.trouble.active and self.checks.busy):  # (a store may be retrying: it says so)
+                            self.trouble.ok()
                     except Exception as e:
                         if (problem := infrastructure_problem(e)) is None:
                             raise
@@ -246,8 +248,7 @@ class Worker:
             stop.wait(self.settings.worker.poll_seconds)
 
     def _start_repairs(self) -> None:
-        """Submit the pages the checks asked to decode again alone (beside the other rows; the official path and a
-        test's decoder decode them there and then)."""
+        """Submit the pages the checks asked to decode again alone, beside the other rows."""
         cap, limit = self.settings.engine.max_tokens_per_page, self.settings.engine.context_limit
         for r in self.checks.repairs():
             self.repairs[r.key] = r
@@ -265,8 +266,7 @@ class Worker:
         self._store(chunk, out, stats)
 
     def _settle_checked(self) -> None:
-        """Settle the chunks the checks' thread checked and stored; its error is raised here, on the loop's thread
-        (the chunk, and those after it, given back)."""
+        """Settle the chunks the checks' thread stored; its error is raised here (that chunk and later ones back)."""
         checked = self.checks.take()
         for i, (chunk, _, error) in enumerate(checked):
             c = chunk.claim
@@ -432,8 +432,7 @@ class Worker:
 
 
 def make_worker(settings: Settings, db: Database, **kw: Any) -> Worker:
-    """A worker that loads the configured model in the configured mode (``engine.max_batch`` rows) on
-    ``model.device`` when it first needs it."""
+    """A worker that loads the configured model and engine (``[engine]``) on ``model.device`` when it needs it."""
 
     def load() -> ChunkDecoder:
         from engine.loading import load_decoder
@@ -445,6 +444,7 @@ def make_worker(settings: Settings, db: Database, **kw: Any) -> Worker:
             torch.cuda.set_device(m.device)
         return load_decoder(settings.model_path, m.device, m.dtype, e.mode, e.fast_threshold, max_batch=e.max_batch,
                             kernels=e.kernels, max_pages_per_chunk=e.max_pages_per_chunk,
-                            loop_check=loop_stopper(grading_thresholds(settings).thresholds))
+                            loop_check=loop_stopper(grading_thresholds(settings).thresholds),
+                            vision_attention=e.vision_attention, vision_ahead=e.vision_ahead)
 
     return Worker(settings, db, load, **kw)

@@ -91,6 +91,8 @@ def config_text(args, max_batch: str, mode: str, chunk_pages: int | None = None)
         f'device = "{args.device}"', f'dtype = "{args.dtype}"', "[engine]", f'mode = "{mode}"',
         f"max_batch = {batch}", f"max_pages_per_chunk = {chunk_pages}",
         f"max_tokens_per_page = {args.max_tokens_per_page}",
+        f'vision_attention = "{getattr(args, "vision_attention", "auto")}"',
+        f'vision_ahead = "{getattr(args, "vision_ahead", "auto")}"',
         *([] if args.repair else ["[quality]", "repair = false"]),
         "[worker]", f"prepare_processes = {json.dumps(args.prepare_processes)}",
         *(["[watch]", "settle_seconds = 0.5", "rescan_seconds = 5"] if getattr(args, "steady", False) else []),
@@ -314,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steady", action="store_true", help="uflash watch, the inbox kept fed with distinct copies of "
                     "the documents (scripts.bench.steady) until --max-seconds; rates over a window after the first wave")
     ap.add_argument("--steady-backlog", type=int, default=4000, help="pages kept waiting in steady mode")
+    ap.add_argument("--vision-attention", choices=("auto", "model", "sdpa", "flex"), default="auto",
+                    help="[engine] vision_attention")
+    ap.add_argument("--vision-ahead", choices=("auto", "on", "off"), default="auto", help="[engine] vision_ahead")
     ap.add_argument("--max-tokens-per-page", type=int, default=1500)
     ap.add_argument("--docs-dir", type=Path, help="where the documents are made (those already there are reused)")
     ap.add_argument("--only-docs", action="store_true", help="make the documents (in --docs-dir) and stop")
