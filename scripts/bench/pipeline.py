@@ -9,19 +9,24 @@ from the command's start to its exit (or to ``--max-seconds``, when it is stoppe
 are those of the pages stored by then). ``--model`` may be a stand-in folder (``scripts.standin``: the real model's
 cost at full size); ``[quality] repair`` is then off (``--repair``), since its text fits no page's print.
 ``--prepare-processes`` sets ``[worker] prepare_processes`` (default "auto"; 0: pages prepared in the worker's thread).
-Reported per setting: wall seconds, pages, pages per hour, pages per hour once the model is loaded (the run's opening
-in the ledger: imports and model load left out; graph capture kept), time to the first finished page (its chunk's
-ledger time after the command's start) and document, pages stored per distinct page (``pages_distinct``: none twice),
-the batch shrinks after out of memory (``memory_shrinks``), output tokens, tokens per second of decoding, mean tau, the
-mean batch size pages were decoded in (``stats.batch_rows``), the GPU's busy share (``nvidia-smi``), and a timeline
+Each chunk size in ``--chunk-pages`` (e.g. ``1,4,8,16``) is a setting of its own. ``--steady``: ``uflash watch``
+instead, with the inbox kept fed (`scripts.bench.steady`) until ``--max-seconds``, and rates over the window after
+the first wave. Reported per setting, after the model is loaded (the run's opening in the ledger): tokens decoded a
+second from the engine's own count (chunks in flight included) and pages-equivalent an hour at ``--tokens-per-page``
+(default: the stand-in's), the engine's rows, milliseconds a step, the rows over time, peak GPU memory, the GPU's busy
+share (``nvidia-smi``), the time to the first stored page and document, stored pages an hour only over a run of
+several waves (``WAVES_FOR_A_RATE``; else ``stored_rate_omitted`` says why), pages stored per distinct page
+(``pages_distinct``: none twice), the batch shrinks after out of memory (``memory_shrinks``), mean tau, and a timeline
 of where the wall went (start-up, imports, load, graph capture, page preparation, vision, prefill, decode steps,
-engine host work, quality checks, finishing, ledger claims and stores; main thread and other threads apart).
-Prints a table per setting and one for all; the last line is one JSON object (also written to ``--json``, after
-each setting too).
+engine host work, quality checks, finishing, ledger claims and stores; main thread and other threads apart; the decode
+loop's thread outside engine steps). Prints a timeline per setting and one table for all; the last line is one JSON
+object (also written to ``--json``, after each setting too).
 
     python -m scripts.bench.pipeline --docs 50 --doc-pages 4 --max-batch 1,auto --json $OUT/pipeline.json
     python -m scripts.bench.pipeline --model /tmp/standin --docs 95 --doc-pages 4-40 --scan --chunk-pages 16 \
         --docs-dir /tmp/docs --max-batch auto --mode plain --max-seconds 540 --json $OUT/pipeline_standin_plain.json
+    python -m scripts.bench.pipeline --model /tmp/standin250 --docs 95 --doc-pages 4-40 --scan --chunk-pages 16 \
+        --docs-dir /tmp/docs --max-batch auto --mode plain --steady --max-seconds 420 --json $OUT/steady.json
 """
 
 from __future__ import annotations
