@@ -59,6 +59,8 @@ class EngineSettings(_Section):
     max_batch: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"  # chunks decoding together; auto: as many as
     # free GPU memory holds
     kernels: Literal["auto", "torch", "invariant"] = "auto"  # auto: batch-invariant in bf16/fp16 on CUDA
+    vision_attention: Literal["auto", "model", "sdpa", "flex"] = "auto"  # SAM's attention; auto: flex on CUDA in bf16
+    vision_ahead: Literal["auto", "on", "off"] = "auto"  # waiting chunks' pages through the tower while rows decode
 
 
 @dataclass(frozen=True)

@@ -63,3 +63,44 @@ def test_decoded_rates_come_from_the_engines_trace():
     assert rates["steady_tok_s"] == 1000.0 and rates["decoded_pages_per_hour_after_load"] == 14_400
     assert rates["mean_rows_after_load"] == 100 and rates["rows_over_time"][0] == [5.0, 100]
     assert decoded_rates([], start, 10.0, 250) == {}
+
+
+def test_stored_pages_an_hour_only_over_several_waves_and_the_steady_window_after_the_first():
+    """One wave of chunks gives no stored rate (the figure would be when the wave ended), three do; the steady window
+    starts once as many chunks as rows were stored, and its decoded rate comes from the engine's trace."""
+    from scripts.bench.pipeline import stored_rates
+    from scripts.bench.steady import steady_window
+
+    one_wave = [(100.0 + i, i, 16) for i in range(4)]
+    assert "pages_per_hour" not in stored_rates(one_wave, {"loaded_s": 50.0}, rows=4, seconds=110.0)
+    assert "1.0 waves" in stored_rates(one_wave, {}, rows=4, seconds=110.0)["stored_rate_omitted"]
+    three = [(60.0 + 10 * i, i, 4) for i in range(12)]
+    rates = stored_rates(three, {"loaded_s": 20.0}, rows=4, seconds=200.0)
+    assert rates["waves"] == 3.0 and rates["after_load_pages_per_hour"] == round(3600 * 48 / 180, 1)
+    trace = [[s, s, 500 * s, 4] for s in range(0, 201, 10)]  # 500 tokens a second
+    window = steady_window(three, trace, rows=4, end=200.0, tokens_per_page=250)
+    assert window["steady_window"] == [90.0, 200.0] and window["steady_chunks"] == 8
+    assert window["steady_decoded_tok_s"] == 500.0 and window["steady_decoded_pages_per_hour"] == 7200
+    assert window["steady_stored_pages_per_hour"] == round(3600 * 32 / 110, 1)
+    assert steady_window(one_wave, trace, rows=4, end=200.0, tokens_per_page=250)["steady_window"] is None
+
+
+def test_the_steady_pipeline_bench_on_the_cpu(tmp_path, tiny_model_dir, capsys):
+    """`scripts.bench.pipeline --steady` with the tiny model: `uflash watch` while the inbox is fed, cut after a while;
+    the engine's own count covers every token of the pages stored (chunks in flight counted too), no page stored twice,
+    the rows, step time and the decode loop's thread outside engine steps recorded, the chunk size in the row."""
+    from scripts.bench import pipeline
+
+    out = tmp_path / "pipeline.json"
+    pipeline.main(["--model", str(tiny_model_dir), "--docs", "2", "--doc-pages", "2", "--chunk-pages", "1",
+                   "--max-batch", "2", "--mode", "plain", "--device", "cpu", "--dtype", "float32",
+                   "--max-tokens-per-page", "8", "--tokens-per-page", "8", "--prepare-processes", "0",
+                   "--formats", "json", "--steady", "--steady-backlog", "4", "--max-seconds", "20",
+                   "--docs-dir", str(tmp_path / "docs"), "--json", str(out)])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    (row,) = report["settings"]
+    assert row["steady"] and row["chunk_pages"] == 1 and row["files_fed"] >= 2 and row["cut_at_s"] == 20
+    assert row["pages"] == row["pages_distinct"] > 0 and row["decoded_tokens"] >= row["tokens"] > 0, row
+    assert row["engine_rows"] == 2 and row["ms_per_step"] > 0 and row["chunks_stored"] == row["pages"]
+    assert 0 < row["main_outside_steps"]["outside_steps_share"] < 1 and row["first_page_s"] > 0
+    assert "steady_window" in row and ("steady_why_not" in row or row["steady_stored_pages_per_hour"] > 0)

@@ -343,3 +343,16 @@ def test_a_step_never_runs_more_tokens_than_its_buffers_hold(loaded, expected):
     ended = run_all(engine)
     assert max(engine.width_steps) == 8 and [ended[i] for i in range(len(CHUNKS))] == expected
 
+
+
+def test_vision_ahead_of_admission_changes_no_token_and_a_failure_turns_it_off(loaded, expected):
+    """Vision ahead (`engine.batch.vision_ahead`; off CUDA the same sums, made earlier): with 2 rows and 5 chunks the
+    waiting chunks' pages go through the tower while the rows decode; every chunk ends once, equal to ``generate()``.
+    A failure ahead is said, its embeddings dropped, and admission makes them itself."""
+    engine = BatchEngine(loaded, "lossless", max_batch=2, vision_ahead=True)
+    assert run_all(engine) == dict(enumerate(expected)) and engine.ahead.pages > 0
+    assert engine.timing["vision_ahead_s"] > 0
+    failing = BatchEngine(loaded, "plain", max_batch=2, vision_ahead=True)
+    failing.ahead._embed = lambda engine, take: (_ for _ in ()).throw(torch.OutOfMemoryError("injected ahead"))
+    assert run_all(failing) == dict(enumerate(expected)) and not failing.ahead.enabled and failing.ahead.pages == 0
+    assert not BatchEngine(loaded, "plain", max_batch=1).ahead.enabled  # auto: on CUDA only

@@ -4,6 +4,7 @@ are wrong (ingest.quality.repair), through the real worker on a real SQLite ledg
 from __future__ import annotations
 
 import json
+import threading
 
 import pymupdf
 import pytest
@@ -158,7 +159,10 @@ def _scan_pdf(path, texts):
     return path
 
 
-def _run(tmp_path, tiny_model_dir, scan: bool, repair: bool):
+def _run(tmp_path, tiny_model_dir, scan: bool, repair: bool, threads: dict | None = None,
+         monkeypatch=None):
+    """The worker over one 3-page chunk whose page 3 repeats page 2; ``threads``: {what: the threads it ran on} of the
+    decodes, the page figures, the store and the grades (the loop's thread must only decode)."""
     from ingest.quality.calibration import FITTED
 
     # the repair is what is tested: graded with the demo model's thresholds (set in the config), not the conservative
@@ -171,6 +175,22 @@ def _run(tmp_path, tiny_model_dir, scan: bool, repair: bool):
     pdf = (_scan_pdf if scan else make_pdf)(s.inbox / "minutes.pdf", PARAGRAPHS)
     decoder = CopyingDecoder(pdf, 3, PARAGRAPHS)
     doc = intake_file(db, s, pdf).document_id
+    if threads is not None:
+        import ingest.quality.repair
+        import ingest.worker.finish
+        import ingest.worker.worker
+
+        def on_thread(what, fn):
+            def recorded(*args, **kwargs):
+                threads.setdefault(what, set()).add(threading.current_thread().name)
+                return fn(*args, **kwargs)
+            return recorded
+
+        decoder.decode = on_thread("decode", decoder.decode)
+        for module, name, what in ((ingest.quality.repair, "page_stats", "page figures"),
+                                   (ingest.worker.finish, "grade_document", "grades"),
+                                   (ingest.worker.worker, "store_chunk", "store")):
+            monkeypatch.setattr(module, name, on_thread(what, getattr(module, name)))
 
     def done():
         with db.session() as ss:
@@ -185,9 +205,15 @@ def _run(tmp_path, tiny_model_dir, scan: bool, repair: bool):
 
 @pytest.mark.parametrize("scan", [False, True], ids=["born-digital", "scan"])
 def test_a_page_that_repeats_its_neighbour_is_decoded_alone_and_the_right_reading_kept(tmp_path, tiny_model_dir,
-                                                                                        scan):
-    cfg, s, decoder, pages = _run(tmp_path, tiny_model_dir, scan=scan, repair=True)
+                                                                                        scan, monkeypatch):
+    threads: dict[str, set[str]] = {}
+    cfg, s, decoder, pages = _run(tmp_path, tiny_model_dir, scan=scan, repair=True, threads=threads,
+                                  monkeypatch=monkeypatch)
     assert decoder.calls == [[1, 2, 3], [3]]  # one chunk, then page 3 alone
+    # the decode loop's thread only decodes (the repair's too); page figures, the store and grades run beside it
+    loop = threading.current_thread().name
+    assert threads == {"decode": {loop}, "page figures": {"checks"}, "store": {"checks"}, "grades": {"finish"}}, \
+        threads
     assert [p.text.split("<|/det|>")[1] for p in pages] == PARAGRAPHS  # page 3 has its own text
     rep = pages[2].stats["repair"]
     assert rep["checks"] == ["repeats_page"] and rep["kept"] == "alone"

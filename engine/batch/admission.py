@@ -32,6 +32,7 @@ from loguru import logger
 
 from engine.batch.requests import ChunkResult
 from engine.batch.rows import Row
+from engine.batch.vision_ahead import take_embeds
 from engine.model.vision import embed_chunks
 
 PREFILL_TOKENS = 16384  # prefix tokens prefilled in one forward at most (chunks of one prefix length together)
@@ -160,10 +161,12 @@ def _admit_group(engine, take: list, free: list[int]) -> list[ChunkResult]:
 def _admit(engine, take: list, free: list[int]) -> list[ChunkResult]:
     t0 = time.perf_counter()
     engine.admission_hook(take)
-    inputs = [r.inputs.to(engine.loaded.device, dtype=engine.loaded.dtype) for r in take]
-    embeds = embed_chunks(engine.loaded.model, engine.loaded.image_token_id, inputs, engine.vision_group,
-                          engine.pad_vision)
-    del inputs
+    ahead = [take_embeds(r, engine.loaded.device) for r in take]  # made while earlier steps ran, or None
+    inputs = [r.inputs.to(engine.loaded.device, dtype=engine.loaded.dtype) for r, e in zip(take, ahead) if e is None]
+    made = iter(embed_chunks(engine.loaded.model, engine.loaded.image_token_id, inputs, engine.vision_group,
+                             engine.pad_vision, attention=engine.vision_attention) if inputs else [])
+    embeds = [e if e is not None else next(made) for e in ahead]
+    del inputs, ahead
     vision_s = (time.perf_counter() - t0) / len(take)
     engine.timing["vision_s"] += vision_s * len(take)
     finished = []

@@ -39,11 +39,13 @@ from engine.batch.memory import admission_bytes, free_bytes, rows_to_drop
 from engine.batch.requests import ChunkRequest, ChunkResult
 from engine.batch.rows import DRAFTERS, MODES, Row, make_drafters
 from engine.batch.step_width import StepWidth
+from engine.batch.vision_ahead import VisionAhead
 from engine.drafters.block_rows import BlockRows
 from engine.kernels.step_graphs import GraphCaptureError, StepGraphs, cuda_graphs_available
 from engine.model.forward import BatchForward
 from engine.model.kv_slots import PREFIX_BUCKETS, KVSlots, bucket, pow2_buckets
 from engine.model.load import LoadedModel
+from engine.model.sam_attention import resolve as resolve_vision_attention
 from engine.ngram_rule import official_rule
 from engine.official import chunk_inputs
 
@@ -64,7 +66,10 @@ class BatchEngine:
     the check point, finish reason ``repetition`` (`engine.batch.loop_watch`; every ``loop_every`` page tokens);
     None: rows run to EOS or their limit, as ``generate()``. step_tokens: the most tokens one step runs over all its
     rows (its logits and activations are sized by it; a step of many rows then runs narrower: `widest_at`); default:
-    every row at the widest width."""
+    every row at the widest width. vision_attention: SAM's attention in the engine's vision calls
+    (`engine.model.sam_attention`: auto = a fused kernel on CUDA in bf16/fp16, the model's own code elsewhere).
+    vision_ahead: the pages of chunks waiting for a row through the vision tower while the rows decode
+    (`engine.batch.vision_ahead`; auto: on CUDA in bf16/fp16, on a second stream)."""
 
     def __init__(self, loaded: LoadedModel, mode: str = "lossless", *, max_batch: int = 1, k_max: int = 16,
                  drafters: tuple[str, ...] = DRAFTERS, fast_threshold: float = 0.3, block_net=None,
@@ -72,7 +77,8 @@ class BatchEngine:
                  graphs: str | bool = "auto", kernels: str = "torch", moe: str = "auto", attn: str = "auto",
                  linear: str = "auto", prefix_capacity: int = 0, vision_group: int = VISION_GROUP, drafter_factory=None,
                  adaptive_width: bool = True, admit_pages: int = ADMIT_PAGES, admit_tokens: int = ADMIT_TOKENS,
-                 loop_check=None, loop_every: int = LOOP_EVERY, step_tokens: int | None = None):
+                 loop_check=None, loop_every: int = LOOP_EVERY, step_tokens: int | None = None,
+                 vision_attention: str = "auto", vision_ahead: str | bool = "auto"):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         if set(drafters) - set(DRAFTERS) or k_max < 1 or max_batch < 1 or not 0.0 < fast_threshold <= 1.0:
@@ -112,6 +118,10 @@ class BatchEngine:
         self.block = BlockRows(block_net, model.get_input_embeddings(), model.lm_head, max_batch,
                                graphs=bool(graphs)) if use_block else None
         self.vision_group, self.pad_vision = vision_group, kernels == "invariant"
+        self.vision_attention = resolve_vision_attention(vision_attention, loaded.device, loaded.dtype)
+        half_on_cuda = loaded.device.type == "cuda" and loaded.dtype != torch.float32  # (fp32: the exactness path)
+        self.ahead = VisionAhead(loaded.device, half_on_cuda if vision_ahead == "auto" else bool(vision_ahead),
+                                 ahead_pages=max(self.admit_pages, vision_group))
         self.row_buckets = pow2_buckets(max_batch)
         self.step_width = StepWidth(self.widths)
         self.max_batch = self.row_limit = max_batch
@@ -121,7 +131,8 @@ class BatchEngine:
         self.decoded = 0  # tokens the rows committed (first tokens at admission included), chunks in flight too
         self.trace: list[tuple[float, int, int, int]] = []  # (wall clock, steps, decoded, rows) about once a second
         self.width_steps: dict[int, int] = {}  # steps run at each width
-        self.timing = {"vision_s": 0.0, "prefill_s": 0.0, "steps_s": 0.0}  # wall time of the engine's work
+        self.timing = {"vision_s": 0.0, "prefill_s": 0.0, "steps_s": 0.0,  # wall time of the engine's work
+                       "vision_ahead_s": 0.0}  # (vision ahead: the host's share; its kernels run beside the steps)
         self.memory_events: list[dict] = []  # each shrink after out of memory (`_shrink`)
         # what one admission group takes on the device at most: the model's estimate, raised by what admissions
         # measured (`engine.batch.admission`); 0 off CUDA (no figures: an out-of-memory error halves the batch)
@@ -171,6 +182,7 @@ class BatchEngine:
         finished = admit(self)
         if not self.active:
             return finished
+        self.ahead.launch(self)
         try:
             finished += self._step()
             return finished

@@ -18,6 +18,8 @@ class ChunkRequest:
     reference_texts: list[str] | None = None
     replay_ids: list[int] | None = None
     submitted_at: float = field(default_factory=time.perf_counter)
+    embeds: Any = None  # its prompt embeddings, when made ahead of its admission (`engine.batch.vision_ahead`)
+    embeds_ready: Any = None  # the CUDA event they are ready at (None: ready)
 
     @property
     def prompt_ids(self) -> list[int]:

@@ -2,20 +2,21 @@
 it ends, and finish each document whose chunks are all done.
 
 One loop keeps the decoder full (``engine.max_batch`` rows; ingest.worker.inflight: any decoder, batch 1 included, runs
-through the same code): it claims a chunk for each free row (and enough ahead to keep page preparation busy), each
-with its own lease, all renewed by one heartbeat thread (ingest.ledger.leases); the claimed chunks are prepared while
-the engine decodes others (ingest.pages.prefetch: rendered, measured and made into the model's inputs by the
+through the same code): it claims a chunk for each free row (and enough ahead to keep page preparation busy), each with
+its own lease, all renewed by one heartbeat thread (ingest.ledger.leases); the claimed chunks are prepared while the
+engine decodes others (ingest.pages.prefetch: rendered, measured and made into the model's inputs by the
 page-preparation processes, ``worker.prepare_processes``, ingest.pages.pool); a prepared chunk whose pages look turned
-has them probed (ingest.worker.probes: the probes decode beside the other rows) and is submitted once they are in;
-each engine step hands back the chunks that ended, and each is checked (caught pages of a multi-page chunk decoded
-again alone, ingest.quality.repair) and stored in its own transaction (ingest.worker.outcome says what becomes of
-it). A document whose chunks are all stored is finished by a thread of its own (ingest.worker.finish_queue) while the
-loop steps on. A chunk is stored only while its lease is held (db.chunks): a worker killed with chunks in flight
-leaves nothing of them behind, the chunks it stored stay stored, and the others are redone by whoever takes their
-leases next. Stopping (SIGTERM) claims nothing more, gives back the chunks not yet decoding, stores those in flight
-as they end and finishes their documents. A worker given ``document_ids`` (``uflash run FILE...``) claims and
-finishes only those documents; a re-run's worker (``fresh_run``) claims only the chunks reserved for its run, with
-the earlier output of the same pages as its draft. ``close()`` (or leaving ``with worker:``) stops the
+has them probed (ingest.worker.probes: the probes decode beside the other rows) and is submitted once they are in; each
+engine step hands back the chunks that ended, and each is checked by a thread of its own (ingest.worker.checks: page
+figures, word confidences, the chunk's checks; caught pages of a multi-page chunk decoded again alone beside the other
+rows, ingest.quality.repair), and stored there in its own transaction, so that the loop's thread only decodes
+(ingest.worker.outcome says what becomes of it). A document whose chunks are all stored is finished by a thread of its
+own (ingest.worker.finish_queue) while the loop steps on. A chunk is stored only while its lease is held (db.chunks): a
+worker killed with chunks in flight leaves nothing of them behind, the chunks it stored stay stored, and the others are
+redone by whoever takes their leases next. Stopping (SIGTERM) claims nothing more, gives back the chunks not yet
+decoding, stores those in flight as they end and finishes their documents. A worker given ``document_ids`` (``uflash run
+FILE...``) claims and finishes only those documents; a re-run's worker (``fresh_run``) claims only the chunks reserved
+for its run, with the earlier output of the same pages as its draft. ``close()`` (or leaving ``with worker:``) stops the
 page-preparation processes and gives the decoder's device memory back.
 
 A worker holds no more chunks than the smallest batch limit among them (db.queue: the chunks of a worker that died
@@ -61,6 +62,7 @@ from ingest.pages.prepare import PreparedChunk, Unreadable
 from ingest.quality.calibration import grading_thresholds
 from ingest.quality.measures import loop_stopper
 from ingest.worker import crash_hook
+from ingest.worker.checks import ChunkChecks, Repair, RepairKey
 from ingest.worker.drafts import chunk_replay
 from ingest.worker.finish import Finisher
 from ingest.worker.finish_queue import FinishQueue
@@ -68,7 +70,6 @@ from ingest.worker.inflight import batched, poll_all
 from ingest.worker.lifecycle import RunHandle, take_over_from_the_gone
 from ingest.worker.model_files import model_not_found
 from ingest.worker.outcome import (
-    checked_stats,
     chunk_note,
     decode_failed,
     is_out_of_memory,
@@ -95,6 +96,8 @@ class Worker:
         self.trouble = self.trouble or Trouble(self.settings.logs, "worker")
         self.finisher = Finisher(self.settings, self.db, self.document_ids)
         self.finishing = FinishQueue(self.finisher)
+        self.checks = ChunkChecks(self.settings, self._store_checked)
+        self.repairs: dict[RepairKey, Repair] = {}  # pages the checks decode again alone, decoding now
         self.run = self.run or RunHandle(self.db, self.settings, self.owner, self.fresh_run)
         self.turns = Turns(self.settings)
         self.pool = preparation_pool(self.settings)  # its processes start with the first chunk claimed
@@ -156,28 +159,32 @@ class Worker:
         wanted work is done. Trouble with the ledger or the machine is waited out with a growing backoff."""
         self._stop, first = stop, True
         prefetch = Prefetcher(self.settings, self.db, self.pool)
-        self.finishing = FinishQueue(self.finisher)
+        self.finishing, self.repairs = FinishQueue(self.finisher), {}
+        self.checks = ChunkChecks(self.settings, self._store_checked)
         try:
-            with self.leases, prefetch, self.finishing:
-                while not (stop.is_set() and not self.inflight):
+            with self.leases, prefetch, self.finishing, self.checks:
+                while not (stop.is_set() and not self.inflight and not self.checks.busy):
                     try:
                         self._give_back(self._unsettled)
                         self.finishing.check()
                         if first:
                             self.finishing.finish_ready()
                             first = False
-                        if until is not None and not (self.inflight or prefetch.pending or self._ready) and until():
+                        if until is not None and not (self.inflight or self.checks.busy or prefetch.pending or
+                                                      self._ready) and until():
+                            self.trouble.ok()  # (``until`` read the ledger: it works)
                             break
                         self._step(stop, prefetch)
-                        self.trouble.ok()
+                        if not (self.trouble.active and self.checks.busy):  # (a store may be retrying: it says so)
+                            self.trouble.ok()
                     except Exception as e:
                         if (problem := infrastructure_problem(e)) is None:
                             raise
                         stop.wait(self.trouble.failed(problem))
             self._finishing_trouble()
         finally:
-            self._give_back(prefetch.left() + [r.claim for r in self._ready] + self._unsettled)
-            self._ready = []
+            self._give_back(prefetch.left() + [r.claim for r in self._ready] + self._unsettled + self.checks.left())
+            self._ready, self.repairs = [], {}
 
     def _finishing_trouble(self) -> None:
         """An error of the finishes made on the way out: the machine's trouble is said (the document is finished at
@@ -208,9 +215,13 @@ class Worker:
             self._ready = []
         while self._ready and (not self.inflight or self.decoder().free_rows > 0):
             self._start(self._ready.pop(0), stop)
-        if self.inflight:
+        self._start_repairs()
+        if self.inflight or self.repairs:
             ended = []
             for key, out in poll_all(self.decoder()):
+                if isinstance(key, RepairKey):  # a page the checks decode again alone
+                    self.checks.resolve(self.repairs.pop(key), out)
+                    continue
                 if isinstance(key, ProbeKey):  # a chunk's probe: once its chunk's are all in, the chunk goes on
                     key, out = self._probed(key, out)
                 if key in self.inflight and out is not None:
@@ -221,7 +232,11 @@ class Worker:
                 except Exception:  # the ledger's trouble: the chunks after it are given back
                     self._unsettled += [later.claim for later, _ in ended[i + 1:]]
                     raise
+        self._settle_checked()
+        if self.inflight or self.repairs:
             return
+        if self.checks.busy:  # only chunks being checked: their checks are waited for a moment
+            return self.checks.wait(self.settings.worker.poll_seconds)
         self.idle = not found and not prefetch.pending and not self._ready
         if self.idle:
             self._log_leased()
@@ -231,6 +246,35 @@ class Worker:
             self.finishing.finish_ready()
             self._file_failed()
             stop.wait(self.settings.worker.poll_seconds)
+
+    def _start_repairs(self) -> None:
+        """Submit the pages the checks asked to decode again alone, beside the other rows."""
+        cap, limit = self.settings.engine.max_tokens_per_page, self.settings.engine.context_limit
+        for r in self.checks.repairs():
+            self.repairs[r.key] = r
+            try:
+                early = self.decoder().submit(r.key, r.images, limit, cap, reference_texts=r.references,
+                                              replay_ids=r.replay_ids)
+            except Exception as e:  # its admission failed: the check that asked meets the error, as it did before
+                early = e
+            if early is not None:
+                self.checks.resolve(self.repairs.pop(r.key), early)
+
+    def _store_checked(self, chunk: PreparedChunk, out: ChunkOutput, stats: list[dict[str, Any]]) -> None:
+        """On the checks' thread: store a checked chunk."""
+        self.leases.drop(chunk.claim)  # (a lease taken over meanwhile: the store finds it gone and stores nothing)
+        self._store(chunk, out, stats)
+
+    def _settle_checked(self) -> None:
+        """Settle the chunks the checks' thread stored; its error is raised here (that chunk and later ones back)."""
+        checked = self.checks.take()
+        for i, (chunk, _, error) in enumerate(checked):
+            c = chunk.claim
+            if error is not None:
+                self._unsettled += [c] + [later.claim for later, _, _ in checked[i + 1:]]
+                raise error
+            self.leases.drop(c)
+            self._file_failed([c.document_id])  # failed now, or by an earlier chunk once this one is settled
 
     def _load_ahead(self) -> None:
         """Load the model while the first chunks claimed are prepared (and their preparation processes start), not
@@ -357,14 +401,9 @@ class Worker:
             decode_failed(self.settings, self.db, c, chunk.label, out, decoder.device, self.run.reserved())
         elif self.leases.lost(c):
             logger.warning("{}: lease lost while decoding; dropping the result", chunk.label)
-        else:
-            cap, limit = self.settings.engine.max_tokens_per_page, self.settings.engine.context_limit
-            tokenizer = getattr(getattr(decoder, "loaded", None), "tokenizer", None)
-            stats = checked_stats(self.settings, chunk, out, tokenizer,
-                                  lambda images, refs, replay: decoder.decode(images, limit, cap, reference_texts=refs,
-                                                                              replay_ids=replay))
-            self.leases.drop(c)  # (a lease taken over meanwhile: the store finds it gone and stores nothing)
-            self._store(chunk, out, stats)
+        else:  # checked by the checks' thread, then stored (``_settle_checked``), its lease held meanwhile
+            self._unsettled.remove(c)
+            return self.checks.put(chunk, out, getattr(getattr(decoder, "loaded", None), "tokenizer", None))
         self._unsettled.remove(c)
         self.leases.drop(c)
         self._file_failed([c.document_id])  # failed now, or by an earlier chunk once this one is settled
@@ -393,8 +432,7 @@ class Worker:
 
 
 def make_worker(settings: Settings, db: Database, **kw: Any) -> Worker:
-    """A worker that loads the configured model in the configured mode (``engine.max_batch`` rows) on
-    ``model.device`` when it first needs it."""
+    """A worker that loads the configured model and engine (``[engine]``) on ``model.device`` when it needs it."""
 
     def load() -> ChunkDecoder:
         from engine.loading import load_decoder
@@ -406,6 +444,7 @@ def make_worker(settings: Settings, db: Database, **kw: Any) -> Worker:
             torch.cuda.set_device(m.device)
         return load_decoder(settings.model_path, m.device, m.dtype, e.mode, e.fast_threshold, max_batch=e.max_batch,
                             kernels=e.kernels, max_pages_per_chunk=e.max_pages_per_chunk,
-                            loop_check=loop_stopper(grading_thresholds(settings).thresholds))
+                            loop_check=loop_stopper(grading_thresholds(settings).thresholds),
+                            vision_attention=e.vision_attention, vision_ahead=e.vision_ahead)
 
     return Worker(settings, db, load, **kw)

@@ -30,7 +30,16 @@ from pathlib import Path
 import torch
 
 from engine.batch.memory import STEP_TOKENS_PER_ROW
-from scripts.bench.engine import build_model, chunks_for, corrupt, environment, free_gb, run_engine
+from scripts.bench.engine import (
+    VISION,
+    add_vision_options,
+    build_model,
+    chunks_for,
+    corrupt,
+    environment,
+    free_gb,
+    run_engine,
+)
 
 
 def auto_rows(loaded, pages: int, k_max: int, cap: int | None, drafting: bool = True) -> tuple[int, int]:
@@ -116,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--oom-factor", type=float, default=2.0, help="forced run: this many times the auto rows (0: none)")
     ap.add_argument("--oom-tokens", type=int, default=32)
     ap.add_argument("--plant", type=float, default=100.0)
+    add_vision_options(ap)
     args = ap.parse_args(argv)
+    VISION.update(attention=args.vision_attention, ahead=args.vision_ahead)
     t_start = time.perf_counter()
     args.device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16

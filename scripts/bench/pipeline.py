@@ -9,24 +9,30 @@ from the command's start to its exit (or to ``--max-seconds``, when it is stoppe
 are those of the pages stored by then). ``--model`` may be a stand-in folder (``scripts.standin``: the real model's
 cost at full size); ``[quality] repair`` is then off (``--repair``), since its text fits no page's print.
 ``--prepare-processes`` sets ``[worker] prepare_processes`` (default "auto"; 0: pages prepared in the worker's thread).
-Reported per setting: wall seconds, pages, pages per hour, pages per hour once the model is loaded (the run's opening
-in the ledger: imports and model load left out; graph capture kept), time to the first finished page (its chunk's
-ledger time after the command's start) and document, pages stored per distinct page (``pages_distinct``: none twice),
-the batch shrinks after out of memory (``memory_shrinks``), output tokens, tokens per second of decoding, mean tau, the
-mean batch size pages were decoded in (``stats.batch_rows``), the GPU's busy share (``nvidia-smi``), and a timeline
+Each chunk size in ``--chunk-pages`` (e.g. ``1,4,8,16``) is a setting of its own. ``--steady``: ``uflash watch``
+instead, with the inbox kept fed (`scripts.bench.steady`) until ``--max-seconds``, and rates over the window after
+the first wave. Reported per setting, after the model is loaded (the run's opening in the ledger): tokens decoded a
+second from the engine's own count (chunks in flight included) and pages-equivalent an hour at ``--tokens-per-page``
+(default: the stand-in's), the engine's rows, milliseconds a step, the rows over time, peak GPU memory, the GPU's busy
+share (``nvidia-smi``), the time to the first stored page and document, stored pages an hour only over a run of
+several waves (``WAVES_FOR_A_RATE``; else ``stored_rate_omitted`` says why), pages stored per distinct page
+(``pages_distinct``: none twice), the batch shrinks after out of memory (``memory_shrinks``), mean tau, and a timeline
 of where the wall went (start-up, imports, load, graph capture, page preparation, vision, prefill, decode steps,
-engine host work, quality checks, finishing, ledger claims and stores; main thread and other threads apart).
-Prints a table per setting and one for all; the last line is one JSON object (also written to ``--json``, after
-each setting too).
+engine host work, quality checks, finishing, ledger claims and stores; main thread and other threads apart; the decode
+loop's thread outside engine steps). Prints a timeline per setting and one table for all; the last line is one JSON
+object (also written to ``--json``, after each setting too).
 
     python -m scripts.bench.pipeline --docs 50 --doc-pages 4 --max-batch 1,auto --json $OUT/pipeline.json
     python -m scripts.bench.pipeline --model /tmp/standin --docs 95 --doc-pages 4-40 --scan --chunk-pages 16 \
         --docs-dir /tmp/docs --max-batch auto --mode plain --max-seconds 540 --json $OUT/pipeline_standin_plain.json
+    python -m scripts.bench.pipeline --model /tmp/standin250 --docs 95 --doc-pages 4-40 --scan --chunk-pages 16 \
+        --docs-dir /tmp/docs --max-batch auto --mode plain --steady --max-seconds 420 --json $OUT/steady.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -41,11 +47,14 @@ from concurrent.futures import ProcessPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
-from db.runs import get_run, latest_run_with_pages, run_pages
+from db.runs import get_run, run_ids, run_pages
 from db.session import Database
 from ingest.config import load_settings
 from ingest.errors import ExitCode
+from scripts.bench.steady import InboxFeeder, steady_window
 from scripts.bench.timeline import GpuSampler, print_timeline
+
+WAVES_FOR_A_RATE = 3  # stored pages an hour only over a run that stored this many times the engine's rows in chunks
 
 
 def page_counts(spec: str, docs: int, seed0: int) -> list[int]:
@@ -78,16 +87,20 @@ def write_document(path: Path, seed: int, pages: int, scan: bool, ladder: bool) 
     return path
 
 
-def config_text(args, max_batch: str, mode: str) -> str:
+def config_text(args, max_batch: str, mode: str, chunk_pages: int | None = None) -> str:
     batch = f'"{max_batch}"' if max_batch == "auto" else max_batch
+    chunk_pages = chunk_pages or int(str(args.chunk_pages).split(",")[0])
     return "\n".join([
         "[folders]", 'inbox = "inbox"', 'outbox = "outbox"', 'archive = "archive"', 'failed = "failed"',
         'logs = "logs"', "[database]", 'url = "sqlite:///uflash.db"', "[model]", f'path = "{Path(args.model).resolve()}"',
         f'device = "{args.device}"', f'dtype = "{args.dtype}"', "[engine]", f'mode = "{mode}"',
-        f"max_batch = {batch}", f"max_pages_per_chunk = {args.chunk_pages}",
+        f"max_batch = {batch}", f"max_pages_per_chunk = {chunk_pages}",
         f"max_tokens_per_page = {args.max_tokens_per_page}",
+        f'vision_attention = "{getattr(args, "vision_attention", "auto")}"',
+        f'vision_ahead = "{getattr(args, "vision_ahead", "auto")}"',
         *([] if args.repair else ["[quality]", "repair = false"]),
         "[worker]", f"prepare_processes = {json.dumps(args.prepare_processes)}",
+        *(["[watch]", "settle_seconds = 0.5", "rescan_seconds = 5"] if getattr(args, "steady", False) else []),
         *(["[outputs]", "formats = [" + ", ".join(f'"{f}"' for f in args.formats.split(",")) + "]"] if args.formats
           else []), ""])
 
@@ -97,40 +110,51 @@ def aware(t: datetime, like: datetime) -> datetime:
     return (t if t.tzinfo else t.replace(tzinfo=timezone.utc)).astimezone(like.tzinfo)
 
 
-def one_setting(args, documents: list[Path], max_batch: str, mode: str, work: Path) -> dict:
-    folder = work / f"batch-{max_batch}-{mode}"
+def one_setting(args, documents: list[Path], max_batch: str, mode: str, work: Path, chunk_pages: int) -> dict:
+    folder = work / f"batch-{max_batch}-{mode}-{chunk_pages}p"
     folder.mkdir(parents=True)
     config = folder / "config.toml"
-    config.write_text(config_text(args, max_batch, mode), encoding="utf-8")
+    config.write_text(config_text(args, max_batch, mode, chunk_pages), encoding="utf-8")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     timeline = folder / "timeline.json"
-    cmd = [sys.executable, "-m", "scripts.bench.timeline", str(timeline), "--", "--config", str(config), "run",
-           *map(str, documents), "--out", str(folder / "out")]
+    command = ["watch"] if args.steady else ["run", *map(str, documents), "--out", str(folder / "out")]
+    cmd = [sys.executable, "-m", "scripts.bench.timeline", str(timeline), "--", "--config", str(config), *command]
+    settings = load_settings(config)
+    feeder = None
+    if args.steady:  # the inbox fed while the watcher runs (scripts.bench.steady)
+        settings.ensure_folders()
+        feeder = InboxFeeder(settings.inbox, documents, page_counts_of(documents),
+                             Database(settings.database_url, settings.database.busy_timeout_ms), args.steady_backlog)
     started = datetime.now().astimezone()
     t0 = time.perf_counter()
-    with GpuSampler(args.device) as gpu:
+    with GpuSampler(args.device) as gpu, feeder or contextlib.nullcontext():
         proc, cut = run_until(cmd, env, args.max_seconds)
     seconds = time.perf_counter() - t0
+    if feeder is not None:
+        feeder.db.dispose()
     if args.logs:
         args.logs.mkdir(parents=True, exist_ok=True)
         (args.logs / f"{mode}-{max_batch}.log").write_text(proc.stderr, encoding="utf-8")
         detail = folder / "logs" / "uflash.log"  # the file log: DEBUG, millisecond times (graph captures among them)
         if detail.exists():
             (args.logs / f"{mode}-{max_batch}.debug.log").write_bytes(detail.read_bytes())
-    row = {"max_batch": max_batch, "mode": mode, "exit_code": proc.returncode, "seconds": round(seconds, 2),
-           "pages_queued": sum(page_counts_of(documents)), "cut_at_s": cut}
+    row = {"max_batch": max_batch, "mode": mode, "chunk_pages": chunk_pages, "exit_code": proc.returncode,
+           "seconds": round(seconds, 2), "cut_at_s": cut, "steady": args.steady,
+           "pages_queued": sum(feeder.fed) if feeder else sum(page_counts_of(documents))}
+    if feeder is not None:
+        row.update(files_fed=len(feeder.fed), feeder_error=feeder.error)
     if timeline.exists():
         row["timeline"] = json.loads(timeline.read_text())
         row["timeline"]["startup_s"] = round(seconds - row["timeline"]["wall_s"], 3)  # interpreter start, exit
     if proc.returncode != 0:
         row["stderr_tail"] = proc.stderr[-2000:]
         print(f"uflash run exited {proc.returncode}:\n{row['stderr_tail']}", file=sys.stderr, flush=True)
-    settings = load_settings(config)
     db = Database(settings.database_url, settings.database.busy_timeout_ms, create=False)
-    try:  # the ledger of this setting's one run, through db/ (a SQLite file or a PostgreSQL server alike)
-        run_id = latest_run_with_pages(db)
-        pages = run_pages(db, run_id) if run_id is not None else []
-        run = get_run(db, run_id) if run_id is not None else None
+    try:  # the ledger of this setting's runs, through db/ (a SQLite file or a PostgreSQL server alike; a watcher
+        # opens a run again each time its queue runs dry)
+        run_ids_ = run_ids(db)
+        pages = [p for r in run_ids_ for p in run_pages(db, r)]
+        run = get_run(db, run_ids_[0]) if run_ids_ else None
     except Exception as exc:  # the run never made its ledger (db/ raises the driver's error)
         row["ledger_error"] = str(exc)
         return row
@@ -142,11 +166,9 @@ def one_setting(args, documents: list[Path], max_batch: str, mode: str, work: Pa
     first = min((aware(c, started) for c in done), default=None)
     first_page = min((aware(page.created_at, started) for page, _ in pages), default=None)
     tokens = sum(s.get("tokens", 0) for s in stats)
-    decode_s = sum(s.get("verify_s", 0.0) + s.get("single_s", 0.0) + s.get("draft_s", 0.0) for s in stats)
     row.update(pages=len(stats), pages_distinct=len({(doc.id, page.page_index) for page, doc in pages}),
                memory_shrinks=proc.stderr.count("batch limited to"),
-               documents=len(done), pages_per_hour=round(3600 * len(stats) / seconds, 1),
-               tokens=tokens, decode_tok_s=round(tokens / decode_s, 1) if decode_s else None,
+               documents=len(done), tokens=tokens,
                tau=round(statistics.mean(s.get("tau", 0.0) for s in stats), 3) if stats else None,
                batch_rows=round(statistics.mean(s.get("batch_rows", 1.0) for s in stats), 2) if stats else None,
                first_document_s=round((first - started).total_seconds(), 2) if first else None,
@@ -154,16 +176,49 @@ def one_setting(args, documents: list[Path], max_batch: str, mode: str, work: Pa
     # the run opens once the model is loaded: the rate from there (imports and model load left out; graph capture,
     # rendering and the first fill kept)
     loaded = aware(opened[0], started) if opened else None
-    if loaded is not None and stats:
+    if loaded is not None:
         row["loaded_s"] = round((loaded - started).total_seconds(), 2)
-        row["after_load_pages_per_hour"] = round(3600 * len(stats) / max(1e-9, seconds - row["loaded_s"]), 1)
     row["gpu_busy"] = gpu.busy(row.get("loaded_s"))
     timeline = row.get("timeline") or {}
+    engine = timeline.get("engine", {})
     row.update(decoded_rates(timeline.get("engine_trace") or [], started.timestamp(), row.get("loaded_s"),
                              args.tokens_per_page))
-    if "decoded" in timeline.get("engine", {}):  # the engines' own count (the trace's last point may be older)
-        row["decoded_tokens"] = timeline["engine"]["decoded"]
+    if "decoded" in engine:  # the engines' own count (the trace's last point may be older)
+        row["decoded_tokens"] = engine["decoded"]
+    row.update(engine_rows=engine.get("rows"), ms_per_step=round(1000 * engine["steps_s"] / engine["steps"], 2)
+               if engine.get("steps") else None, cuda_peak_gib=timeline.get("cuda_peak_gib"),
+               main_outside_steps=timeline.get("main_outside_steps"))
+    if row.get("decoded_tok_s_after_load") and args.equivalent_tokens:
+        row[f"decoded_pages_per_hour_at_{args.equivalent_tokens}"] = round(
+            3600 * row["decoded_tok_s_after_load"] / args.equivalent_tokens)
+    chunks = {}  # chunk id -> (second stored after the start, pages)
+    for page, _ in pages:
+        t = (aware(page.created_at, started) - started).total_seconds()
+        c = chunks.setdefault((page.stats or {}).get("chunk_id"), [t, 0])
+        c[0], c[1] = max(c[0], t), c[1] + 1
+    stored = [(t, cid or 0, n) for cid, (t, n) in chunks.items()]
+    row.update(stored_rates(stored, row, engine.get("rows"), seconds))
+    if args.steady:
+        row.update(steady_window(stored, [[p[0] - started.timestamp(), *p[1:]] for p in
+                                          timeline.get("engine_trace") or []], engine.get("rows"),
+                                 cut or seconds, args.tokens_per_page))
     return row
+
+
+def stored_rates(stored: list[tuple[float, int, int]], row: dict, rows: int | None, seconds: float) -> dict:
+    """Stored pages an hour (over the run, and after load), only when the run stored several waves of chunks (at
+    least ``WAVES_FOR_A_RATE`` times the engine's rows): over one wave the figure is when the wave ended, not a rate."""
+    waves = round(len(stored) / rows, 2) if rows else None
+    out: dict = {"chunks_stored": len(stored), "waves": waves}
+    if waves is None or waves < WAVES_FOR_A_RATE:
+        out["stored_rate_omitted"] = (f"{len(stored)} chunks stored by {rows} rows: {waves} waves, fewer than "
+                                      f"{WAVES_FOR_A_RATE}; the decoded rate is the figure")
+        return out
+    pages = sum(n for *_, n in stored)
+    out["pages_per_hour"] = round(3600 * pages / seconds, 1)
+    if row.get("loaded_s") is not None:
+        out["after_load_pages_per_hour"] = round(3600 * pages / max(1e-9, seconds - row["loaded_s"]), 1)
+    return out
 
 
 def decoded_rates(trace: list, started: float, loaded_s: float | None, tokens_per_page: int | None) -> dict:
@@ -257,7 +312,18 @@ def main(argv: list[str] | None = None) -> int:
                     "runs once per mode")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--chunk-pages", type=int, default=4)
+    ap.add_argument("--chunk-pages", default="4", help="pages a chunk, or several (e.g. 1,4,8,16): each setting "
+                    "runs once per chunk size (the chunk-size table)")
+    ap.add_argument("--tokens-per-page", type=int, default=None, help="tokens a page for pages-equivalent an hour "
+                    "(default: the stand-in's, standin.json)")
+    ap.add_argument("--equivalent-tokens", type=int, default=1000, help="also say pages-equivalent an hour at this "
+                    "many tokens a page (the conversion of a run with shorter pages)")
+    ap.add_argument("--steady", action="store_true", help="uflash watch, the inbox kept fed with distinct copies of "
+                    "the documents (scripts.bench.steady) until --max-seconds; rates over a window after the first wave")
+    ap.add_argument("--steady-backlog", type=int, default=4000, help="pages kept waiting in steady mode")
+    ap.add_argument("--vision-attention", choices=("auto", "model", "sdpa", "flex"), default="auto",
+                    help="[engine] vision_attention")
+    ap.add_argument("--vision-ahead", choices=("auto", "on", "off"), default="auto", help="[engine] vision_ahead")
     ap.add_argument("--max-tokens-per-page", type=int, default=1500)
     ap.add_argument("--docs-dir", type=Path, help="where the documents are made (those already there are reused)")
     ap.add_argument("--only-docs", action="store_true", help="make the documents (in --docs-dir) and stop")
@@ -272,8 +338,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     standin = (Path(args.model) / "standin.json").is_file()
-    args.tokens_per_page = json.loads((Path(args.model) / "standin.json").read_text()).get("tokens_per_page") \
-        if standin else None
+    if args.tokens_per_page is None and standin:
+        args.tokens_per_page = json.loads((Path(args.model) / "standin.json").read_text()).get("tokens_per_page")
+    if args.steady and args.max_seconds is None:
+        raise SystemExit("--steady needs --max-seconds (the inbox is fed until then)")
     args.repair = args.repair == "on" or (args.repair == "auto" and not standin)
     work = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
     documents = write_documents(args.docs_dir or work / "docs", args.docs, args.doc_pages, args.seed0, args.scan,
@@ -289,19 +357,12 @@ def main(argv: list[str] | None = None) -> int:
     report["model"].pop("first_tokens", None)
     for mode in args.mode.split(","):
         for max_batch in args.max_batch.split(","):
-            docs = documents[: args.docs_at_batch_1] if max_batch == "1" and args.docs_at_batch_1 else documents
-            report["settings"].append(one_setting(args, docs, max_batch, mode, work))
-            print_timeline(report["settings"][-1])
-            write_json(args.json, report)  # what is measured so far survives a cut-off call
-    print(f"\n{'mode':<9}{'max_batch':>9} {'pages':>6} {'seconds':>8} {'pages/h':>9} {'loaded p/h':>11}"
-          f" {'1st page s':>10} {'1st doc s':>9} {'tok/s':>8} {'tau':>6} {'rows':>6} {'GPU busy':>8}")
-    for r in report["settings"]:
-        print(f"{r['mode']:<9}{r['max_batch']:>9} {r.get('pages', 0):>6} {r['seconds']:>8.1f}"
-              f" {r.get('pages_per_hour', 0):>9.1f} {r.get('after_load_pages_per_hour') or 0:>11.1f}"
-              f" {r.get('first_page_s') or 0:>10.1f} {r.get('first_document_s') or 0:>9.1f}"
-              f" {r.get('decode_tok_s') or 0:>8.1f} {r.get('tau') or 0:>6.2f} {r.get('batch_rows') or 0:>6.2f}"
-              f" {(r.get('gpu_busy') or {}).get('after_load') or 0:>8.2f}"
-              + (f"  (cut at {r['cut_at_s']:.0f} s of {r['pages_queued']} pages)" if r.get("cut_at_s") else ""))
+            for chunk_pages in [int(c) for c in str(args.chunk_pages).split(",")]:
+                docs = documents[: args.docs_at_batch_1] if max_batch == "1" and args.docs_at_batch_1 else documents
+                report["settings"].append(one_setting(args, docs, max_batch, mode, work, chunk_pages))
+                print_timeline(report["settings"][-1])
+                write_json(args.json, report)  # what is measured so far survives a cut-off call
+    print_table(report["settings"], args.tokens_per_page)
     for mode in args.mode.split(","):
         for key, name in (("pages_per_hour", "auto_over_1"), ("after_load_pages_per_hour", "after_load_auto_over_1")):
             rates = {r["max_batch"]: r.get(key) for r in report["settings"] if r["mode"] == mode}
@@ -320,6 +381,28 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(report, separators=(",", ":")))
     ok = all(r["exit_code"] == ExitCode.OK or r.get("cut_at_s") for r in report["settings"])
     return ExitCode.OK if ok else ExitCode.UNEXPECTED
+
+
+def print_table(settings: list[dict], tokens_per_page: int | None) -> None:
+    """One line a setting: the rows the engine ran, milliseconds a step, tokens decoded a second after load (chunks in
+    flight counted), pages-equivalent an hour at ``tokens_per_page``, stored pages an hour (only over several waves; the
+    steady window's in steady mode), the first stored page, the GPU's busy share and peak memory, the decode loop's
+    thread outside engine steps."""
+    print(f"\n{'mode':<9}{'batch':>6}{'chunk p':>8}{'rows':>6}{'ms/step':>8}{'tok/s':>9}"
+          f"{f'p-eq/h @{tokens_per_page}':>14}{'stored p/h':>11}{'1st page s':>11}{'GPU busy':>9}{'peak GiB':>9}"
+          f"{'loop %':>7}")
+    for r in settings:
+        stored = r.get("steady_stored_pages_per_hour") or r.get("after_load_pages_per_hour")
+        outside = (r.get("main_outside_steps") or {}).get("outside_steps_share")
+        print(f"{r['mode']:<9}{r['max_batch']:>6}{r['chunk_pages']:>8}{r.get('engine_rows') or 0:>6}"
+              f"{r.get('ms_per_step') or 0:>8.1f}{r.get('decoded_tok_s_after_load') or 0:>9.0f}"
+              f"{r.get('decoded_pages_per_hour_after_load') or 0:>14,}{(f'{stored:,.0f}' if stored else '-'):>11}"
+              f"{r.get('first_page_s') or 0:>11.1f}{(r.get('gpu_busy') or {}).get('after_load') or 0:>9.2f}"
+              f"{r.get('cuda_peak_gib') or 0:>9.1f}{100 * (outside or 0):>6.1f}%"
+              + (f"  (cut at {r['cut_at_s']:.0f} s, {r['pages']} of {r['pages_queued']} pages stored)"
+                 if r.get("cut_at_s") else ""))
+        if r.get("stored_rate_omitted") and not r.get("steady"):
+            print(f"{'':9}stored pages/h omitted: {r['stored_rate_omitted']}")
 
 
 def write_json(path: Path | None, report: dict) -> None:

@@ -4,7 +4,7 @@
 
 Runs ``ingest.commands.cli`` in this process after wrapping the functions that do each kind of work with timers
 (nothing in ``engine/`` or ``ingest/`` changes; a function that is not there any more is listed under ``missing``;
-the JSON is rewritten every 5 s too, so a run stopped at once keeps the timeline of a moment before):
+the JSON is rewritten every 5 s too, and when a second SIGTERM stops the process at once):
 imports (ingest's CLI, torch, transformers), intake of the named files, model load (``engine.loading.load_decoder``: weights, engine, buffers),
 graph capture (``StepGraphs.capture``), the tokens the engines decoded (``engine.decoded``, chunks in flight
 included) and their trace (``engine_trace``: wall clock, steps, tokens, rows, about once a second), page preparation (``ingest.pages.prefetch``'s ``prepare`` in its thread, or
@@ -27,6 +27,7 @@ import atexit
 import functools
 import importlib
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -46,7 +47,7 @@ PROBES = {  # name: (module, attribute path), or several whose times add up
     "orientation": [("ingest.worker.probes", "Turns.start"), ("ingest.worker.probes", "Turns.ended")],
     "submit": ("engine.chunk_decode", "EngineDecoder.submit"),
     "engine_steps": ("engine.chunk_decode", "EngineDecoder.engine_step"),
-    "quality_checks": ("ingest.worker.worker", "checked_stats"),
+    "quality_checks": ("ingest.worker.checks", "checked_stats"),
     "ledger_claim": ("ingest.worker.worker", "claim"),
     "ledger_release": ("ingest.worker.worker", "release"),
     "ledger_store": ("ingest.worker.worker", "store_chunk"),
@@ -58,6 +59,7 @@ _depth = threading.local()  # probes running on this thread (a probe inside anot
 _engines: list = []
 _pools: list = []  # page-preparation pools: their processes' own time
 _lock = threading.Lock()
+_turns = {"turns": 0, "turns_s": 0.0, "steps_s": 0.0, "first": None, "last": None}  # the loop's decoding turns
 
 
 def _timed(name: str, fn):
@@ -79,9 +81,46 @@ def _timed(name: str, fn):
     return wrapper
 
 
+def _decoding_turns(fn):
+    """``Worker._step`` timed when the worker has chunks decoding as it starts (no wait of the loop's is in such a turn):
+    its wall, and the engine steps' main-thread seconds within it; the rest is the decode loop's thread held up by
+    other work (claims, submissions, stores, and any per-page work left on it)."""
+    @functools.wraps(fn)
+    def turn(self, *args, **kwargs):
+        if not self.inflight or threading.current_thread() is not threading.main_thread():
+            return fn(self, *args, **kwargs)
+        steps0, t = _totals.get("engine_steps", {}).get("main_s", 0.0), time.perf_counter()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            end = time.perf_counter()
+            with _lock:
+                _turns["turns"] += 1
+                _turns["turns_s"] += end - t
+                _turns["steps_s"] += _totals.get("engine_steps", {}).get("main_s", 0.0) - steps0
+                _turns["first"] = t if _turns["first"] is None else _turns["first"]
+                _turns["last"] = end
+    return turn
+
+
+def main_outside_steps(turns: dict) -> dict:
+    """The decode loop's thread outside engine steps while chunks decode: seconds, and share of the span from the
+    first such turn to the last (the wall while the engine had rows)."""
+    outside = max(0.0, turns["turns_s"] - turns["steps_s"])
+    span = (turns["last"] - turns["first"]) if turns["first"] is not None else 0.0
+    return {"turns": turns["turns"], "decoding_span_s": round(span, 3), "engine_steps_s": round(turns["steps_s"], 3),
+            "outside_steps_s": round(outside, 3), "outside_steps_share": round(outside / span, 4) if span else None}
+
+
 def install() -> list[str]:
     """Wrap every probe; the names of those not found."""
     missing = []
+    try:
+        from ingest.worker.worker import Worker
+
+        Worker._step = _decoding_turns(Worker._step)
+    except (ImportError, AttributeError):
+        missing.append("decoding_turns (ingest.worker.worker.Worker._step)")
     for name, targets in PROBES.items():
         for module, path in targets if isinstance(targets, list) else [targets]:
             try:
@@ -111,15 +150,25 @@ def _keep_instances(cls, kept: list) -> None:
     cls.__init__ = keep
 
 
+def _cuda_peak_gib() -> float | None:
+    """The most memory torch held allocated on this process's GPU (None: no CUDA used)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return round(torch.cuda.max_memory_allocated() / 2**30, 2)
+
+
 def report(imports_s: float, missing: list[str]) -> dict:
     wall = time.perf_counter() - T0
-    engine = {"vision_s": 0.0, "prefill_s": 0.0, "steps_s": 0.0, "steps": 0, "decoded": 0}
+    engine = {"vision_s": 0.0, "vision_ahead_s": 0.0, "prefill_s": 0.0, "steps_s": 0.0, "steps": 0, "decoded": 0,
+              "rows": 0}
     trace = []  # (wall clock, steps, tokens decoded, rows) about once a second, of every engine made
     for e in _engines:
-        for key in ("vision_s", "prefill_s", "steps_s"):
+        for key in ("vision_s", "vision_ahead_s", "prefill_s", "steps_s"):
             engine[key] += float(getattr(e, "timing", {}).get(key, 0.0))
         engine["steps"] += int(getattr(e, "steps", 0))
         engine["decoded"] += int(getattr(e, "decoded", 0))
+        engine["rows"] = max(engine["rows"], int(getattr(e, "max_batch", 0)))  # the rows it was sized for
         trace += [list(point) for point in getattr(e, "trace", [])]
     pools = {"processes": 0, "jobs": 0, "pages": 0, "prepare_s": 0.0, "receive_s": 0.0, "restarts": 0}
     for p in _pools:
@@ -131,7 +180,9 @@ def report(imports_s: float, missing: list[str]) -> dict:
             "probes": {k: {kk: round(vv, 3) for kk, vv in v.items()} for k, v in _totals.items()},
             "engine": {k: round(v, 3) for k, v in engine.items()}, "engine_trace": trace,
             "preparation_processes": {k: round(v, 3) for k, v in pools.items()},
-            "main_other_s": round(wall - imports_s - covered, 3), "missing": missing}
+            "main_other_s": round(wall - imports_s - covered, 3), "main_outside_steps": main_outside_steps(_turns),
+            "cuda_peak_gib": _cuda_peak_gib(),
+            "missing": missing}
 
 
 # -- read by scripts.bench.pipeline (the parent process) --------------------------------------------------
@@ -142,7 +193,7 @@ def timeline_rows(t: dict) -> list[tuple[str, float, float, float]]:
     steps = probes.get("engine_steps", {})
     capture = probes.get("graph_capture", {})
     pools = t.get("preparation_processes", {})
-    inside = engine.get("vision_s", 0.0) + engine.get("prefill_s", 0.0) + engine.get("steps_s", 0.0)
+    inside = sum(engine.get(k, 0.0) for k in ("vision_s", "vision_ahead_s", "prefill_s", "steps_s"))
 
     def probe(name: str, key: str, processes: float = 0.0) -> tuple[str, float, float, float]:
         return name, probes.get(key, {}).get("main_s", 0.0), probes.get(key, {}).get("other_s", 0.0), processes
@@ -154,7 +205,9 @@ def timeline_rows(t: dict) -> list[tuple[str, float, float, float]]:
             probe("prepared pages copied", "prepared_copy"), probe("orientation probes", "orientation"),
             probe("submit (processor)", "submit"),
             ("graph capture", capture.get("main_s", 0.0), capture.get("other_s", 0.0), 0.0),
-            ("vision", engine.get("vision_s", 0.0), 0.0, 0.0), ("prefill", engine.get("prefill_s", 0.0), 0.0, 0.0),
+            ("vision", engine.get("vision_s", 0.0), 0.0, 0.0),
+            ("vision ahead (launch)", engine.get("vision_ahead_s", 0.0), 0.0, 0.0),
+            ("prefill", engine.get("prefill_s", 0.0), 0.0, 0.0),
             ("decode steps", engine.get("steps_s", 0.0), 0.0, 0.0),
             ("engine host work", max(0.0, steps.get("main_s", 0.0) - inside), 0.0, 0.0),
             probe("quality checks", "quality_checks"), probe("finishing documents", "finishing"),
@@ -180,6 +233,9 @@ def print_timeline(row: dict) -> None:
               f"{pools['restarts']} restarts)")
     print("(graph capture runs inside model load or engine steps; vision, prefill, decode steps and engine host work "
           "make up the engine steps, repairs' and probes' included)")
+    if (m := t.get("main_outside_steps") or {}).get("outside_steps_share") is not None:
+        print(f"decode loop's thread outside engine steps while chunks decode: {m['outside_steps_s']:.2f} s, "
+              f"{100 * m['outside_steps_share']:.2f}% of the {m['decoding_span_s']:.1f} s they decoded in")
 
 
 class GpuSampler:
@@ -244,6 +300,14 @@ def main(argv: list[str] | None = None) -> int:
             write()
 
     atexit.register(write)
+    exit_now = os._exit  # a second SIGTERM stops the process at once (ingest.worker.lifecycle): written first
+
+    def written_then_exit(code: int) -> None:
+        if threading.current_thread() is threading.main_thread():
+            write()
+        exit_now(code)
+
+    os._exit = written_then_exit
     threading.Thread(target=every, args=(5.0,), daemon=True).start()
     return cli.main(args)
 
