@@ -176,6 +176,22 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-shared") / "model", sliding_window=8, seed=0)
 
 
+def headless_chromium():
+    """A headless Chromium driven by Selenium (the review page tests), or the test skipped where Chromium or its driver
+    is not installed."""
+    if not shutil.which("chromium") or not shutil.which("chromedriver"):
+        pytest.skip("chromium and chromedriver are not installed (CI installs them: apt-get install chromium "
+                    "chromium-driver)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,1000"):
+        options.add_argument(arg)
+    options.binary_location = shutil.which("chromium")
+    return webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+
+
 def worker_config(folder: Path, model_dir: Path, **sections: dict) -> Path:
     """A config for worker tests: the tiny model on the CPU, small chunks, short outputs, one chunk decoding at a time
     (the batched worker's tests set ``engine.max_batch``), pages prepared on the worker's own thread: a preparation

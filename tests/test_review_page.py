@@ -26,7 +26,7 @@ from ingest.pages.ink import ink_mask
 from ingest.pages.orientation import ragged_edges, stripe_ratio
 from ingest.review.report import write_html_report
 from ingest.worker.worker import Worker
-from tests.conftest import DEMO, SAMPLES, needs_demo, serve_until, worker_config
+from tests.conftest import DEMO, SAMPLES, headless_chromium, needs_demo, serve_until, worker_config
 
 WORDS = "minutes register parish entry accounts letter council year page record index deed".split()
 
@@ -135,17 +135,7 @@ def review(tmp_path_factory, tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def browser(review):
-    if not shutil.which("chromium") or not shutil.which("chromedriver"):
-        pytest.skip("chromium and chromedriver are not installed (CI installs them: apt-get install chromium "
-                    "chromium-driver)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,1000"):
-        options.add_argument(arg)
-    options.binary_location = shutil.which("chromium")
-    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+    driver = headless_chromium()
     driver.execute_cdp_cmd("Browser.grantPermissions", {"permissions": ["clipboardReadWrite",
                                                                         "clipboardSanitizedWrite"]})
     driver.get(review.html.as_uri())

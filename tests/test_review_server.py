@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -31,7 +30,17 @@ from engine.official import DecodeResult
 from ingest.config import load_settings
 from ingest.intake.enqueue import intake_file
 from ingest.worker.worker import Worker
-from tests.conftest import DEMO, ROOT, assert_pdfa_2b, make_pdf, needs_demo, serve_until, wait_until, worker_config
+from tests.conftest import (
+    DEMO,
+    ROOT,
+    assert_pdfa_2b,
+    headless_chromium,
+    make_pdf,
+    needs_demo,
+    serve_until,
+    wait_until,
+    worker_config,
+)
 
 pytestmark = [needs_demo, pytest.mark.xdist_group("review_server")]
 
@@ -208,17 +217,7 @@ def test_requests_without_the_token_from_another_origin_or_with_path_like_ids_ar
 
 @pytest.fixture(scope="module")
 def browser(finished):
-    if not shutil.which("chromium") or not shutil.which("chromedriver"):
-        pytest.skip("chromium and chromedriver are not installed (CI installs them: apt-get install chromium "
-                    "chromium-driver)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,1000"):
-        options.add_argument(arg)
-    options.binary_location = shutil.which("chromium")
-    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+    driver = headless_chromium()
     driver.get(f"{finished.base}?token={finished.token}")
     yield driver
     driver.quit()
