@@ -8,14 +8,10 @@ from __future__ import annotations
 
 import json
 import shutil
-from functools import lru_cache
-from types import SimpleNamespace
 
 from db.models import Document, Page, ReviewKind, Run
 from db.reviews import record_review
 from db.session import Database
-from engine.chunk_output import assemble
-from engine.official import DecodeResult
 from ingest.calibration.calibrate import calibrate
 from ingest.calibration.corrections import MIN_PAGES
 from ingest.calibration.decode import read_lines
@@ -23,54 +19,24 @@ from ingest.calibration.fit import graded_pages
 from ingest.commands.cli import main
 from ingest.config import load_settings
 from ingest.quality.calibration import FILE_NAME, grading_thresholds
-from ingest.synth.ladder import ladder_pages, ladder_rung
-from tests.conftest import DEMO, needs_demo, write_config
+from ingest.synth.ladder import ladder_rung
+from tests.conftest import needs_demo, write_config
+from tests.ladder_reader import ScriptedLadderReader, key_pages, labels
 
 pytestmark = needs_demo
 DOCS = 10  # seeds 600000-600009: 28 pages, 14 labelled and 14 held out
 
 
-@lru_cache(maxsize=None)
-def labels(seed: int) -> list[str]:
-    return ladder_pages(ladder_rung(seed))[1]
+class ErringReader(ScriptedLadderReader):
+    """Reads a page as its label, except every third page (by seed and page), which it misreads (every third word
+    backwards), mostly with less confidence; some pages read right get little confidence, some misread ones full
+    confidence (so that no threshold is perfect). A page reads the same alone."""
 
+    model_name = "erring-reader"
 
-class ErringReader:
-    """A scripted model behind the engine's submit / poll interface: reads a page as its label, except every third
-    page (by seed and page), which it misreads (every third word backwards), mostly with less confidence; some pages
-    read right get little confidence, some misread ones full confidence (so that no threshold is perfect). A page
-    reads the same alone."""
-
-    mode, model_name, device = "plain", "erring-reader", "cpu"
-
-    def __init__(self):
-        from transformers import AutoTokenizer
-
-        self.loaded = SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(str(DEMO)), dtype="float32")
-        self.queue = []
-
-    engine = property(lambda self: SimpleNamespace(active=len(self.queue), pending=[]))
-    free_rows = property(lambda self: 4 - len(self.queue))
-    busy = property(lambda self: bool(self.queue))
-
-    def describe(self):
-        return {"scripted": True}
-
-    def abandon(self):
-        dropped, self.queue = self.queue, []
-        return dropped
-
-    def submit(self, key, images, context_limit, max_new_tokens=None):
-        self.queue.append(key)
-
-    def poll(self):
-        done, self.queue = self.queue, []
-        return [(key, self._read(key)) for key in done]
-
-    def _read(self, key):
-        seed, pages = (key[1], [key[2]]) if key[0] == "alone" else (key[1], list(range(key[2], key[3] + 1)))
-        tok = self.loaded.tokenizer
-        ids, lps, body = [], [], ""
+    def read(self, key, n):
+        seed, pages = key_pages(key)
+        out = []
         for page in pages:
             text, lp = labels(seed)[page - 1], -0.03
             if (seed * 7 + page) % 3 == 0:  # misread: every third word backwards (as long as the print)
@@ -78,14 +44,8 @@ class ErringReader:
                 lp = -0.03 if (seed + page) % 4 == 0 else -0.4 - 0.1 * (page % 3)  # some misread with confidence
             elif (seed + page) % 5 == 0:
                 lp = -0.6  # read right, with little confidence
-            piece = ("<PAGE>" if len(pages) > 1 else "") + text
-            piece_ids = tok(piece, add_special_tokens=False)["input_ids"]
-            ids += piece_ids
-            lps += [lp] * len(piece_ids)
-            body += piece
-        res = DecodeResult(prompt_ids=[0] * 10, output_ids=ids, finish_reason="eos", seconds=0.01, text=body,
-                           prompt_kind="multi" if len(pages) > 1 else "single", n_pages=len(pages), logprobs=lps)
-        return assemble(res, len(pages), hit_context=False)
+            out.append((text, lp))
+        return out
 
 
 def _store_readings_with_corrections(db: Database, rows: list[dict], only: int | None = None) -> None:

@@ -7,83 +7,29 @@ stops the job keeping what is done, and the table runs from the files alone."""
 from __future__ import annotations
 
 import json
-from functools import lru_cache
-from types import SimpleNamespace
 
-from engine.chunk_output import assemble
-from engine.official import DecodeResult
 from ingest.calibration.decode import decode_ladder, read_lines
-from ingest.synth.ladder import ladder_pages, ladder_rung
 from scripts.eval import grades
 from tests.conftest import DEMO, needs_demo
+from tests.ladder_reader import ScriptedLadderReader, key_pages, labels
 
 pytestmark = needs_demo
 SEED0 = 600_000  # 600000: 2 sparse pages, 600001: 2 dense scanned pages, 600002: 4 pages
 
 
-@lru_cache(maxsize=None)
-def labels(seed: int) -> list[str]:
-    return ladder_pages(ladder_rung(seed))[1]
-
-
-class LadderReader:
+class LadderReader(ScriptedLadderReader):
     """Reads every ladder page as its label, except that in a chunk of several pages the last page is written as a
     copy of the page before it (with more confidence than the rest); a page read alone is read right."""
 
-    mode, model_name, device = "plain", "ladder-reader", "cpu"
+    model_name = "ladder-reader"
 
-    def __init__(self):
-        from transformers import AutoTokenizer
-
-        self.loaded = SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(str(DEMO)), dtype="float32")
-        self.queue, self.keys = [], []
-
-    @property
-    def engine(self):
-        return SimpleNamespace(active=len(self.queue), pending=[])
-
-    @property
-    def free_rows(self) -> int:
-        return 4 - len(self.queue)
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.queue)
-
-    def describe(self):
-        return {"scripted": True}
-
-    def abandon(self):
-        dropped, self.queue = self.queue, []
-        return dropped
-
-    def submit(self, key, images, context_limit, max_new_tokens=None):
-        self.queue.append((key, len(images)))
-        self.keys.append(key)
-
-    def poll(self):
-        done, self.queue = self.queue, []
-        return [(key, self._read(key, n)) for key, n in done]
-
-    def _read(self, key, n):
-        if key[0] == "alone":
-            texts = [labels(key[1])[key[2] - 1]]
-        else:
-            texts = labels(key[1])[key[2] - 1 : key[3]]
-            assert len(texts) == n
-            if n > 1:
-                texts[-1] = texts[-2]
-        tok = self.loaded.tokenizer
-        ids, lps, body = [], [], ""
-        for i, text in enumerate(texts):
-            piece = ("<PAGE>" if n > 1 else "") + text
-            piece_ids = tok(piece, add_special_tokens=False)["input_ids"]
-            ids += piece_ids
-            lps += [-0.01 if n > 1 and i == n - 1 else -0.05] * len(piece_ids)
-            body += piece
-        res = DecodeResult(prompt_ids=[0] * 10, output_ids=ids, finish_reason="eos", seconds=0.01, text=body,
-                           prompt_kind="multi" if n > 1 else "single", n_pages=n, logprobs=lps)
-        return assemble(res, n, hit_context=False)
+    def read(self, key, n):
+        seed, pages = key_pages(key)
+        texts = [labels(seed)[p - 1] for p in pages]
+        assert len(texts) == n
+        if n > 1:
+            texts[-1] = texts[-2]
+        return [(text, -0.01 if n > 1 and i == n - 1 else -0.05) for i, text in enumerate(texts)]
 
 
 def test_the_ladder_job_decodes_repairs_resumes_and_tables(tmp_path):
