@@ -136,3 +136,23 @@ def test_vision_cost_counts_the_real_tower_by_part(tmp_path, capsys):
     assert result["global_layers"] == [2, 5, 8, 11] and min(parts["sam_global"], parts["sam_windowed"]) > 100
     assert 1000 < result["gflop_per_page"] < 1300  # a full-size SAM-B at 1,024 px and CLIP-L
     assert result["global_bias_gib"] == 2 * 12 * 4096 * 4096 * 2 / 2**30
+
+
+def test_step_cost_tiny_smoke(tmp_path, capsys):
+    """The step-cost bench on the CPU: a cost for every rows x width cell, the profiled step's time split by kernel,
+    and both kernel sweeps (interpreted) finding each tile configuration bitwise equal to the default."""
+    from scripts.bench import step_cost
+
+    path = tmp_path / "step_cost.json"
+    rc = _keeping_threads(lambda: step_cost.main([
+        "--tiny", "--pages", "1", "--rows", "1,2", "--widths", "1,2", "--profile", "2x2", "--repeat", "1",
+        "--matmul-rows", "1,8", "--configs", "64-64-64-4-3,128-64-64-4-3", "--json", str(path)]))
+    report = _last_json(capsys)
+    assert rc == 0 and report == json.loads(path.read_text())
+    cells = report["steps"]["1"]["cells"]
+    assert set(cells) == {"1x1", "1x2", "2x1", "2x2"} and all(c["ms"] > 0 for c in cells.values())
+    assert cells["2x1"]["x_width1"] == 1.0
+    assert report["profile"]["2x2"]["device_ms"] > 0 and report["profile"]["2x2"]["kernels"]
+    for sweep in (report["matmul"], report["grouped"]):
+        results = [r for shape in sweep.values() for r in shape.values()]
+        assert results and all(r["bitwise_default"] for r in results)

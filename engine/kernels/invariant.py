@@ -117,10 +117,12 @@ def grouped_matmul(x: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, b
     return out
 
 
-def expert_blocks(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Lay the (pair -> expert) assignment ``expert_ids`` [P] out in blocks of BLOCK_M slots, each block one
-    expert's: (rows [S] pair index or -1, block_expert [S / BLOCK_M] or -1, slot of each pair [P]). Static shapes
-    (S = P + E * BLOCK_M rounded up), device ops only: CUDA-graph safe."""
+def expert_blocks(expert_ids: torch.Tensor, num_experts: int,
+                  block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lay the (pair -> expert) assignment ``expert_ids`` [P] out in blocks of ``block_m`` slots, each block one
+    expert's: (rows [S] pair index or -1, block_expert [S / block_m] or -1, slot of each pair [P]). Static shapes
+    (S = P + E * block_m rounded up), device ops only: CUDA-graph safe."""
+    BLOCK_M = block_m  # noqa: N806
     P = expert_ids.shape[0]
     device = expert_ids.device
     S = triton.cdiv(P + num_experts * BLOCK_M, BLOCK_M) * BLOCK_M

@@ -15,6 +15,8 @@ prefills, decode; the device synchronised):
 - ``plain-torch``: the same with the torch kernels (what batch invariance costs);
 - ``lossless-R%``: drafts of controlled quality: each row's own plain output with R% of the tokens replaced by wrong
   ones (a positional replay drafter), R in ``--rates``; checked token for token against plain.
+Each engine run follows an untimed warm-up run of the same chunks (kernels compiled, and the step graph of every
+width at B rows captured: a worker captures each shape once in its life, so a short timed run does not pay for them).
 Columns: aggregate tok/s (all rows' output tokens / wall time), decode tok/s (output tokens / the steps' wall time:
 admissions, i.e. vision and prefills, left out), ms per step,
 the x factors against generate and plain. ``invariant`` checks, per batch, that row 0's tokens and log-probabilities
@@ -147,11 +149,27 @@ def add_vision_options(ap) -> None:
                     help="waiting chunks' pages through the vision tower while rows decode (auto: on CUDA)")
 
 
+@torch.inference_mode()
+def capture_widths(engine, rows: int, prefix_len: int) -> None:
+    """The step graph of every width the engine may run at ``rows`` rows of this prefix, captured now: a worker
+    captures each shape once in its life, and a short timed run must not pay for the widths that only its probes
+    visit (a probe of a new width at batch 1 costs its capture, ~40 ms, against a 4.5 ms step)."""
+    from engine.model.kv_slots import PREFIX_BUCKETS, bucket
+
+    if engine.graphs is None:
+        return
+    n = bucket(min(rows, engine.row_limit), engine.row_buckets)
+    prefix_bucket = min(bucket(prefix_len, PREFIX_BUCKETS), engine.kv.capacity)
+    for w in engine.widths:
+        if w <= engine.widest_at(n):
+            engine.graphs.replay((n, w, prefix_bucket))
+
+
 def run_engine(loaded, chunks, tokens: int, device: str, mode: str, kernels: str, drafts=None, k_max: int = 16,
                vision_group: int = 8, warm: bool = True, max_batch: int | None = None, step_tokens: int | None = None):
     """One engine run over ``chunks`` (``max_batch`` rows, default one a chunk); ``warm``: an untimed run of the same
-    chunks first, ``WARM_TOKENS`` tokens each (graphs and kernels of these shapes, the widths the width choice tries
-    first), else the timed run pays its own captures and compilations.
+    chunks first, ``WARM_TOKENS`` tokens each (kernels, the vision and prefill shapes), and the step graph of every width
+    at the batch's rows captured (`capture_widths`), else the timed run pays its own captures and compilations.
     Returns (its row of figures, output ids by chunk, log-probabilities by chunk, ends by chunk)."""
     from engine.batch.engine import BatchEngine
 
@@ -161,11 +179,12 @@ def run_engine(loaded, chunks, tokens: int, device: str, mode: str, kernels: str
                          drafter_factory=factory, vision_group=vision_group, step_tokens=step_tokens,
                          vision_attention=VISION["attention"],
                          vision_ahead={"on": True, "off": False}.get(VISION["ahead"], "auto"))
+    requests = [engine.prepare(c, tokens, key=i) for i, c in enumerate(chunks)]
     if warm:
         engine.run([engine.prepare(c, min(WARM_TOKENS, tokens), key=i) for i, c in enumerate(chunks)])
+        capture_widths(engine, len(chunks), len(requests[0].prompt_ids))
     capture_before = engine.graphs.capture_s if engine.graphs is not None else 0.0
     width_before = dict(engine.width_steps)
-    requests = [engine.prepare(c, tokens, key=i) for i, c in enumerate(chunks)]
     engine.timing = dict.fromkeys(engine.timing, 0.0)
     steps_before = engine.steps
     if device.startswith("cuda"):
