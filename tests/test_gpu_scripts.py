@@ -146,10 +146,11 @@ def test_step_cost_tiny_smoke(tmp_path, capsys):
     path = tmp_path / "step_cost.json"
     rc = _keeping_threads(lambda: step_cost.main([
         "--tiny", "--pages", "1", "--rows", "1,2", "--widths", "1,2", "--profile", "2x2", "--repeat", "1",
-        "--matmul-rows", "1,8", "--configs", "64-64-64-4-3,128-64-64-4-3", "--json", str(path)]))
+        "--matmul-rows", "1,8", "--configs", "64-64-64-4-3,128-64-64-4-3", "--tiles", "default", "--json",
+        str(path)]))
     report = _last_json(capsys)
     assert rc == 0 and report == json.loads(path.read_text())
-    cells = report["steps"]["1"]["cells"]
+    cells = report["steps"]["default"]["1"]["cells"]
     assert set(cells) == {"1x1", "1x2", "2x1", "2x2"} and all(c["ms"] > 0 for c in cells.values())
     assert cells["2x1"]["x_width1"] == 1.0
     assert report["profile"]["2x2"]["device_ms"] > 0 and report["profile"]["2x2"]["kernels"]

@@ -52,6 +52,24 @@ from engine.official import chunk_inputs
 TRACE_EVERY = 1.0  # seconds between two points of ``BatchEngine.trace``
 
 
+def tune_invariant_tiles(model) -> None:
+    """`engine.kernels.invariant.tune_tiles` where it measures anything; out of memory keeps the default tiles."""
+    from engine.kernels import invariant
+
+    if not invariant.tunable(model):
+        return
+    try:
+        t0, tuned = time.perf_counter(), len(invariant.TILES.tuned)
+        invariant.tune_tiles(model)
+        if len(invariant.TILES.tuned) > tuned:
+            logger.info("invariant kernel tiles measured in {:.1f}s: {}", time.perf_counter() - t0,
+                        invariant.TILES.summary())
+    except torch.OutOfMemoryError:
+        logger.warning("out of memory while measuring the kernels' tiles: the default tiles stay")
+    finally:
+        torch.cuda.empty_cache()
+
+
 class BatchEngine:
     """mode: plain | lossless | fast (fast_threshold). max_batch: rows. k_max: most drafted tokens per row and step.
     graphs: use CUDA graphs (auto: on CUDA). kernels/moe/attn/linear: `engine.model.forward`. block_net: a trained
@@ -69,7 +87,9 @@ class BatchEngine:
     every row at the widest width. vision_attention: SAM's attention in the engine's vision calls
     (`engine.model.sam_attention`: auto = a fused kernel on CUDA in bf16/fp16, the model's own code elsewhere).
     vision_ahead: the pages of chunks waiting for a row through the vision tower while the rows decode
-    (`engine.batch.vision_ahead`; auto: on CUDA in bf16/fp16, on a second stream)."""
+    (`engine.batch.vision_ahead`; auto: on CUDA in bf16/fp16, on a second stream). tune_tiles: with the invariant
+    kernels on CUDA in bf16/fp16, their tiles measured first, before the cache takes the memory (once a process:
+    `engine.kernels.tiles`; only configurations bitwise equal to the default are kept)."""
 
     def __init__(self, loaded: LoadedModel, mode: str = "lossless", *, max_batch: int = 1, k_max: int = 16,
                  drafters: tuple[str, ...] = DRAFTERS, fast_threshold: float = 0.3, block_net=None,
@@ -78,7 +98,7 @@ class BatchEngine:
                  linear: str = "auto", prefix_capacity: int = 0, vision_group: int = VISION_GROUP, drafter_factory=None,
                  adaptive_width: bool = True, admit_pages: int = ADMIT_PAGES, admit_tokens: int = ADMIT_TOKENS,
                  loop_check=None, loop_every: int = LOOP_EVERY, step_tokens: int | None = None,
-                 vision_attention: str = "auto", vision_ahead: str | bool = "auto"):
+                 vision_attention: str = "auto", vision_ahead: str | bool = "auto", tune_tiles: bool = True):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         if set(drafters) - set(DRAFTERS) or k_max < 1 or max_batch < 1 or not 0.0 < fast_threshold <= 1.0:
@@ -99,6 +119,8 @@ class BatchEngine:
         self.rules = {kind: official_rule(loaded, kind) for kind in ("single", "multi")}
         self.eos = loaded.eos_token_id
         self.strict = frozenset(i for i in (self.eos, loaded.page_sep_id) if i is not None)
+        if kernels == "invariant" and tune_tiles:
+            tune_invariant_tiles(model)
         max_width = k_max + 1  # plain runs width 1 only, but the ring (and so every row's key walk) is the same
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.kv = KVSlots(num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,

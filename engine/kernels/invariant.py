@@ -4,15 +4,17 @@ cuBLAS, PyTorch's reductions and fused attention pick their tiling and split the
 see, so in bf16 the same token computed in a batch of 64 or alone, or in a verify of width 9 or 1, rounds
 differently, and greedy decoding follows a different path after a near-tie. These kernels fix the reduction order
 of every row (after "Defeating nondeterminism in LLM inference"):
-- ``linear``: one tile configuration per weight shape (``BLOCK_M x BLOCK_N x BLOCK_K``, no split-K), never chosen
-  by the number of rows (which is not even specialised on): an output element is the same k-loop of the same
-  tensor-core products whatever the number of rows;
+- ``linear``: tiles of ``BLOCK_M x BLOCK_N x BLOCK_K`` with no split-K, the kernel never specialised on the number
+  of rows: an output element is the same k-loop of the same tensor-core products whatever the number of rows (a
+  tile configuration other than the default is used only where it was seen to give the default's bits, below);
 - ``rms_norm`` and the row ``logsumexp``: one program per row, a fixed block walk over the row;
 - ``step_attention``: one program per (row, head, block of queries), walking that row's keys in fixed blocks from
   the first ring slot to the end of its own prefix with an online softmax; masked keys add exact zeros, so neither
   the batch, the step width, stale ring slots nor the other rows' prefix lengths change a bit;
 - ``moe``: the router's fp32 logits through the same fixed-tile matmul (IEEE fp32 products), top-k experts sorted
   by id, each (token, expert) pair through a grouped matmul of fixed tiles, the k results added in that order.
+Tiles: the default ones, or on CUDA in bf16/fp16 those `engine.kernels.tiles` measured fastest for each weight shape
+and rows bucket among the configurations whose results are bitwise the default's (checked on the card, never assumed).
 Prefills run per chunk at their own shapes, so they use the torch kernels (the same for a chunk alone or batched).
 On the CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``), which is how the tests check them.
 """
@@ -28,6 +30,8 @@ if not torch.cuda.is_available():  # read by triton.jit below: the kernels run i
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+
+from engine.kernels.tiles import DEFAULT, NARROW, TILES, Config  # noqa: E402
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
 ROW_BLOCK = 1024
@@ -62,17 +66,21 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak,
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, K] @ weight[N, K]^T (+ bias)`` in ``x``'s dtype (fp32 accumulation; fp32 inputs: IEEE products)."""
+           out: torch.Tensor | None = None, config: Config | None = None) -> torch.Tensor:
+    """``x [M, K] @ weight[N, K]^T (+ bias)`` in ``x``'s dtype (fp32 accumulation; fp32 inputs: IEEE products), with
+    the tiles ``config`` or those `engine.kernels.tiles.TILES` picks (fp32: always the default tiles)."""
     M, K = x.shape
     N = weight.shape[0]
     if out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    block_n = 16 if N <= 64 else BLOCK_N  # per weight shape, never per row count: the router gets 4x the programs
-    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, block_n))
+    if config is None:
+        config = TILES.pick("linear", N, K, M) if x.dtype != torch.float32 else (NARROW if N <= 64 else DEFAULT)
+    bm, bn, bk, warps, stages = config
+    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
     _matmul_kernel[grid](x, weight, out, bias if bias is not None else x, M, N, K, x.stride(0), x.stride(1),
                          weight.stride(1), weight.stride(0), out.stride(0), out.stride(1), HAS_BIAS=bias is not None,
-                         IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K)
+                         IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+                         num_stages=stages)
     return out
 
 
@@ -105,15 +113,17 @@ def _grouped_kernel(a_ptr, w_ptr, c_ptr, rows_ptr, block_expert_ptr, N, K, strid
 
 
 def grouped_matmul(x: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor,
-                   out_rows: int) -> torch.Tensor:
-    """For each slot s (``rows`` [S], -1 = padding; S a multiple of BLOCK_M; ``block_expert`` [S / BLOCK_M]):
-    ``x[rows[s]] @ weights[e]^T`` -> [out_rows, N] at row s (rows of padding slots left zero)."""
+                   out_rows: int, config: Config = DEFAULT) -> torch.Tensor:
+    """For each slot s (``rows`` [S], -1 = padding; S a multiple of the config's BLOCK_M; ``block_expert``
+    [S / BLOCK_M], laid out by `expert_blocks` with that BLOCK_M): ``x[rows[s]] @ weights[e]^T`` -> [out_rows, N] at
+    row s (rows of padding slots left zero)."""
     E, N, K = weights.shape
+    bm, bn, bk, warps, stages = config
     out = torch.zeros(out_rows, N, dtype=x.dtype, device=x.device)
-    grid = (block_expert.shape[0], triton.cdiv(N, BLOCK_N))
+    grid = (block_expert.shape[0], triton.cdiv(N, bn))
     _grouped_kernel[grid](x, weights, out, rows, block_expert, N, K, x.stride(0), weights.stride(0),
-                          weights.stride(1), weights.stride(2), out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                          BLOCK_K=BLOCK_K)
+                          weights.stride(1), weights.stride(2), out.stride(0), BLOCK_M=bm, BLOCK_N=bn,
+                          BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return out
 
 
@@ -234,12 +244,33 @@ def _step_attention_kernel(q_ptr, k_ptr, v_ptr, tags_ptr, prefix_ptr, pos_ptr, r
              out.to(o_ptr.dtype.element_ty), mask=qmask[:, None])
 
 
+def routed_experts(experts, x: torch.Tensor, index: torch.Tensor, config: Config = DEFAULT) -> torch.Tensor:
+    """[T * k, hidden]: each (token, expert) pair of ``index`` [T, k] (expert ids) through its expert's two grouped
+    projections (tiles ``config``, one slot layout for both), in pair order."""
+    top_k = index.shape[1]
+    rows, block_expert, slot = expert_blocks(index.reshape(-1), experts.num_experts, config[0])
+    token_of_slot = torch.where(rows >= 0, rows // top_k, rows)
+    gate_up = grouped_matmul(x, experts.gate_up_proj, token_of_slot, block_expert, rows.shape[0], config)
+    g, u = gate_up.chunk(2, dim=-1)
+    hidden = experts.act_fn(g) * u
+    slots = torch.arange(rows.shape[0], device=x.device)
+    down = grouped_matmul(hidden, experts.down_proj, torch.where(rows >= 0, slots, rows), block_expert,
+                          rows.shape[0], config)
+    return down[slot]
+
+
 class InvariantKernels:
-    """The step's primitives for `engine.model.forward.BatchForward` (``kernels="invariant"``)."""
+    """The step's primitives for `engine.model.forward.BatchForward` (``kernels="invariant"``), with the tiles of
+    `engine.kernels.tiles.TILES` (`tune_tiles` fills it)."""
 
     def __init__(self, model):
         config = model.model.language_model.config
         self.groups = config.num_attention_heads // config.num_key_value_heads
+
+    @staticmethod
+    def _grouped_config(experts, tokens: int) -> Config:
+        n, k = experts.gate_up_proj.shape[1:]
+        return TILES.pick("grouped", n, k, tokens) if experts.gate_up_proj.dtype != torch.float32 else DEFAULT
 
     def linear(self, module: torch.nn.Linear, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).contiguous()
@@ -283,18 +314,44 @@ class InvariantKernels:
         index, order = torch.sort(index, dim=-1)
         weights = weights.gather(1, order) * gate.routed_scaling_factor
         T, top_k = index.shape
-        pairs = index.reshape(-1)
-        rows, block_expert, slot = expert_blocks(pairs, experts.num_experts)
-        token_of_slot = torch.where(rows >= 0, rows // top_k, rows)
-        gate_up = grouped_matmul(x, experts.gate_up_proj, token_of_slot, block_expert, rows.shape[0])
-        g, u = gate_up.chunk(2, dim=-1)
-        hidden = experts.act_fn(g) * u
-        slots = torch.arange(rows.shape[0], device=x.device)
-        down = grouped_matmul(hidden, experts.down_proj, torch.where(rows >= 0, slots, rows), block_expert,
-                              rows.shape[0])
-        y = down[slot].view(T, top_k, -1) * weights.view(T, top_k, 1).to(x.dtype)
+        down = routed_experts(experts, x, index, self._grouped_config(experts, T))
+        y = down.view(T, top_k, -1) * weights.view(T, top_k, 1).to(x.dtype)
         out = y[:, 0]
         for j in range(1, top_k):
             out = out + y[:, j]
         return out
 
+
+
+def tunable(model) -> bool:
+    """Whether `tune_tiles` measures anything for this model: on CUDA in bf16/fp16 (fp32 keeps the default tiles)."""
+    weight = model.lm_head.weight
+    return weight.device.type == "cuda" and weight.dtype != torch.float32
+
+
+def tune_tiles(model, table=TILES, **options) -> None:
+    """`engine.kernels.tiles.TileTable.tune` for each distinct linear weight shape of the decoder and the lm_head, and
+    for the routed experts (both projections under one configuration: they share the slot layout; rows = tokens, each
+    with a fixed random routing). ``options`` go to ``tune`` (tests: candidates, buckets, timer). Shapes tuned before
+    in this process are skipped."""
+    text = model.model.language_model
+    weights = {tuple(m.weight.shape): m.weight for m in text.modules() if isinstance(m, torch.nn.Linear)}
+    weights[tuple(model.lm_head.weight.shape)] = model.lm_head.weight
+    for weight in weights.values():
+        def run(config, m, inputs, weight=weight):
+            return matmul(inputs, weight, config=config)
+        table.tune("linear", weight, run, **options)
+    experts = next((layer.mlp.experts for layer in text.layers if hasattr(layer.mlp, "experts")), None)
+    if experts is None:
+        return
+    top_k = text.config.num_experts_per_tok
+    routes: dict[int, torch.Tensor] = {}
+
+    def run_experts(config, m, inputs):
+        if m not in routes:
+            gen = torch.Generator(device=inputs.device).manual_seed(m)
+            scores = torch.rand(m, experts.num_experts, generator=gen, device=inputs.device)
+            routes[m] = torch.sort(scores.topk(top_k, dim=-1).indices, dim=-1).values
+        return routed_experts(experts, inputs, routes[m], config)
+
+    table.tune("grouped", experts.gate_up_proj, run_experts, **options)

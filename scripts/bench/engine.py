@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from engine.kernels.tiles import TILES
 from scripts.bench.random_model import (  # noqa: F401 - build_model and the chain are used from here too
     PROMPT_IDS,
     NullTokenizer,
@@ -412,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - keep what was measured
         report["error"] = f"{type(exc).__name__}: {exc}"
         traceback.print_exc()
+    report["tiles"] = TILES.summary()  # the invariant kernels' tiles the runs used (engine.kernels.tiles)
     report["wall_s"] = round(time.perf_counter() - t_start, 1)
     print_table(report)
     finish(report, args.json)

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from engine.batch.memory import STEP_TOKENS_PER_ROW
+from engine.kernels.tiles import TILES
 from scripts.bench.engine import (
     VISION,
     add_vision_options,
@@ -154,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     save(report)
     if args.oom_factor > 0:
         report["forced"] = run_forced(loaded, args, report["auto"]["rows"], plain_ids, log)
+    report["tiles"] = TILES.summary()  # the invariant kernels' tiles the runs used (engine.kernels.tiles)
     report["wall_s"] = round(time.perf_counter() - t_start, 1)
     save(report)
     print(json.dumps(report, separators=(",", ":")))

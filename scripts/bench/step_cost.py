@@ -3,7 +3,9 @@ admission, no drafting), on the benchmarks' random full-size model in bf16 (`scr
 
 1. ``steps``: for each prefix (``--pages``: the prefix of a chunk of that many pages), rows (``--rows``) and width
    (``--widths``), the step graph `engine.model.forward.BatchForward.step_body` replayed ``--repeat`` times: ms a
-   step, ms a token, and the cost against width 1 at the same rows (what a verify of that width must win back).
+   step, ms a token, and the cost against width 1 at the same rows (what a verify of that width must win back); with
+   the kernels' default tiles, then with the tiles `engine.kernels.tiles` measures (``--tiles``; the choice and its
+   measures under ``tiles``).
 2. ``profile``: the step's device time by kernel for each ``--profile ROWSxWIDTH`` pair at the first prefix (one
    eager step under ``torch.profiler``; kernel times do not depend on how the step was launched).
 3. ``matmul``: the invariant linear kernel (`engine.kernels.invariant.matmul`) at each of the model's weight shapes and
@@ -34,6 +36,7 @@ import torch
 if not torch.cuda.is_available():  # the invariant kernels under Triton's interpreter (--tiny), set before any import
     os.environ.setdefault("TRITON_INTERPRET", "1")  # of triton.language
 
+from engine.kernels.tiles import TILES  # noqa: E402
 from scripts.bench.engine import environment  # noqa: E402
 from scripts.bench.random_model import build_model  # noqa: E402
 from scripts.bench.record import finish, save  # noqa: E402
@@ -299,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default="", help="ROWSxWIDTH pairs profiled at the first prefix, e.g. 256x1,256x4")
     ap.add_argument("--matmul-rows", default="1,64,256,1024,2048,4096", help="'' skips the matmul part")
     ap.add_argument("--configs", default=CONFIGS, help="BLOCK_M-BLOCK_N-BLOCK_K-warps-stages, comma-separated")
+    ap.add_argument("--tiles", default="default,tuned", help="the steps with the default tiles, then tuned ones "
+                    "(engine.kernels.tiles; the profile runs the last)")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--max-rows-16", type=int, default=160, help="rows at most for prefixes over 2,048 tokens")
     args = ap.parse_args(argv)
@@ -314,16 +319,27 @@ def main(argv: list[str] | None = None) -> int:
               "environment": environment(device), "model": {"name": loaded.name, **desc}, "dtype": str(dtype),
               "kernels": "invariant", "steps": {}, "profile": {}, "matmul": {}}
     log = lambda msg: print(msg, flush=True)  # noqa: E731
-    for pages in ints(args.pages):
-        prefix = prefix_tokens(loaded, pages)
-        rows = [r for r in ints(args.rows) if prefix <= 2048 or r <= args.max_rows_16]
-        log(f"steps, {pages}-page chunks ({prefix} prefix tokens):")
-        try:
-            report["steps"][str(pages)] = {"prefix": prefix, "cells": bench_steps(
-                loaded, prefix, rows, ints(args.widths), args.repeat, device, log)}
-        except torch.OutOfMemoryError as exc:
-            report["steps"][str(pages)] = {"prefix": prefix, "error": str(exc)[:300]}
-        save(report, args.json)
+    for tiles in args.tiles.split(","):
+        if tiles == "tuned":
+            from engine.kernels.invariant import tune_tiles
+
+            t1 = time.perf_counter()
+            tune_tiles(loaded.model)
+            report["tiles"] = {"tune_s": round(time.perf_counter() - t1, 1), "chosen": TILES.summary(),
+                               "ms": {f"{kind} {n}x{k} @{m}": {"-".join(map(str, c)): round(t, 4) for c, t in ms.items()}
+                                      for (kind, n, k, m), ms in TILES.timings.items()}}
+            log(f"tiles tuned in {report['tiles']['tune_s']} s: {report['tiles']['chosen']}")
+        report["steps"][tiles] = {}
+        for pages in ints(args.pages):
+            prefix = prefix_tokens(loaded, pages)
+            rows = [r for r in ints(args.rows) if prefix <= 2048 or r <= args.max_rows_16]
+            log(f"steps, {pages}-page chunks ({prefix} prefix tokens), {tiles} tiles:")
+            try:
+                report["steps"][tiles][str(pages)] = {"prefix": prefix, "cells": bench_steps(
+                    loaded, prefix, rows, ints(args.widths), args.repeat, device, log)}
+            except torch.OutOfMemoryError as exc:
+                report["steps"][tiles][str(pages)] = {"prefix": prefix, "error": str(exc)[:300]}
+            save(report, args.json)
     if args.profile:
         prefix = prefix_tokens(loaded, ints(args.pages)[0])
         report["profile"] = bench_profile(loaded, prefix, parse_pairs(args.profile), device, log)
