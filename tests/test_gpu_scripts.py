@@ -157,3 +157,19 @@ def test_step_cost_tiny_smoke(tmp_path, capsys):
     for sweep in (report["matmul"], report["grouped"]):
         results = [r for shape in sweep.values() for r in shape.values()]
         assert results and all(r["bitwise_default"] for r in results)
+
+
+def test_width_model_tiny_smoke(tmp_path, capsys):
+    """The modeled GPU: every row follows its target text in both modes, plain runs width 1 only, and lossless with
+    90% right drafts on the modeled costs beats it (the clock is virtual: the figures do not depend on the machine)."""
+    from scripts.bench import width_model
+
+    path = tmp_path / "width_model.json"
+    rc = _keeping_threads(lambda: width_model.main(["--rows", "4", "--chunks", "6", "--tokens", "60", "--slopes",
+                                                    "14.5,3.5", "--json", str(path)]))
+    report = _last_json(capsys)
+    assert rc == 0 and report == json.loads(path.read_text())
+    assert report["plain"]["targets_followed"] and set(report["plain"]["steps_by_width"]) == {"1"}
+    runs = report["slopes"]
+    assert all(r["targets_followed"] and r["tokens"] == 6 * 60 for r in runs.values())
+    assert runs["3.5"]["x_plain"] >= runs["14.5"]["x_plain"] > 1.3
