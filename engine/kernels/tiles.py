@@ -21,6 +21,7 @@ Without `tune` (off CUDA, or a caller that does not ask) every kernel runs the d
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -57,13 +58,13 @@ class TileTable:
              buckets: tuple[int, ...] = ROW_BUCKETS, timer=None) -> None:
         """Measure ``candidates`` for one weight shape (``weight`` [N, K], or [E, N, K] for ``grouped``) and keep the
         fastest bitwise-equal one per rows bucket. ``run(config, m, inputs) -> output`` launches the kernel on the
-        random ``inputs`` of ``m`` rows (made here, the same for every candidate); ``timer(fn) -> ms`` (default: CUDA
-        events)."""
+        random ``inputs`` of ``m`` rows (made here, the same for every candidate); ``timer(fn) -> ms`` (default:
+        `time_ms`)."""
         n, k = weight.shape[-2], weight.shape[-1]
         key = (kind, n, k, _device_name(weight.device))
         if key in self.tuned or (n <= 64 and kind == "linear"):
             return
-        timer = timer or _cuda_ms
+        timer = timer or time_ms
         gen = torch.Generator(device=weight.device).manual_seed(n * 131 + k)
         bad: list[Config] = []
         times: dict[int, dict[Config, float]] = {}
@@ -108,23 +109,24 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
-def _cuda_ms(fn) -> float:
-    for _ in range(WARMUP):
+def time_ms(fn, repeat: int = REPEAT, warmup: int = WARMUP) -> float:
+    """Milliseconds a call of ``fn``: ``repeat`` calls after ``warmup`` untimed ones, with CUDA events where CUDA is
+    (the device's time, launches queued back to back), else the wall clock."""
+    for _ in range(warmup):
         fn()
     if not torch.cuda.is_available():
-        import time
-
         t0 = time.perf_counter()
-        for _ in range(REPEAT):
+        for _ in range(repeat):
             fn()
-        return (time.perf_counter() - t0) * 1000 / REPEAT
+        return (time.perf_counter() - t0) * 1000 / repeat
+    torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(REPEAT):
+    for _ in range(repeat):
         fn()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / REPEAT
+    return start.elapsed_time(end) / repeat
 
 
 TILES = TileTable()  # the process's table: every engine of the process runs and tunes this one

@@ -36,7 +36,7 @@ import torch
 if not torch.cuda.is_available():  # the invariant kernels under Triton's interpreter (--tiny), set before any import
     os.environ.setdefault("TRITON_INTERPRET", "1")  # of triton.language
 
-from engine.kernels.tiles import TILES  # noqa: E402
+from engine.kernels.tiles import TILES, time_ms  # noqa: E402
 from scripts.bench.engine import environment  # noqa: E402
 from scripts.bench.random_model import build_model  # noqa: E402
 from scripts.bench.record import finish, save  # noqa: E402
@@ -52,24 +52,6 @@ def prefix_tokens(loaded, pages: int) -> int:
 
     kind = "single" if pages == 1 else "multi"
     return len(chunk_inputs(loaded, chunks_for(1, pages)[0], kind)["input_ids"][0])
-
-
-def timed(fn, repeat: int, device: str) -> float:
-    """Milliseconds a call of ``fn`` (``repeat`` calls after one untimed)."""
-    fn()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeat):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / repeat
-    t0 = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    return (time.perf_counter() - t0) * 1000 / repeat
 
 
 @torch.inference_mode()
@@ -110,7 +92,7 @@ def bench_steps(loaded, prefix: int, rows_list: list[int], widths: list[int], re
             for w in widths:
                 key = (rows, w, prefix_bucket)
                 run = partial(graphs.replay if graphs is not None else forward.step_key, key)
-                ms = timed(run, repeat, device)
+                ms = time_ms(run, repeat, warmup=1)
                 base = ms if w == 1 else base
                 cell = {"ms": round(ms, 3), "ms_per_token": round(ms / (rows * w), 4),
                         "x_width1": round(ms / base, 3) if base else None}
@@ -229,7 +211,7 @@ def bench_matmul(loaded, rows_list: list[int], configs: list[tuple[int, ...]], r
 
                 call = partial(launch_matmul, x, weight, y, (bm, bn, bk, warps, stages))
                 try:
-                    ms = timed(call, repeat, device)
+                    ms = time_ms(call, repeat, warmup=1)
                 except Exception as exc:  # noqa: BLE001 - a configuration this card cannot run (shared memory)
                     out.setdefault(f"{n_out}x{k_in}", {})[f"{cfg}@{m}"] = {"error": str(exc)[:120]}
                     continue
@@ -272,7 +254,7 @@ def bench_grouped(loaded, tokens_list: list[int], configs: list[tuple[int, ...]]
 
                 call = partial(launch_grouped, x, weights, y, rows, block_expert, (bm, bn, bk, warps, stages))
                 try:
-                    ms = timed(call, repeat, device)
+                    ms = time_ms(call, repeat, warmup=1)
                 except Exception as exc:  # noqa: BLE001 - a configuration this card cannot run
                     out.setdefault(name, {})[f"{cfg}@{tokens}"] = {"error": str(exc)[:120]}
                     continue
