@@ -49,6 +49,23 @@ def test_the_workers_bench_runs_one_and_two_watchers_on_one_ledger(tmp_path, tin
     assert (one["rows_each"], two["rows_each"]) == (2, 1) and len(two["devices"]) == 2
     assert len(two["pages_by_worker"]) == 2, two  # both watchers stored pages
     assert two["x_first"] == round(two["pages_per_hour"] / one["pages_per_hour"], 3)
+    for s in (one, two):  # each watcher ran under the timeline: what its engine decoded is counted
+        assert s["decoded_tok_s_after_load"] > 0 and len(s["decoded_by_worker"]) == s["workers"], s
+    assert two["x_first_decoded"] == round(two["decoded_tok_s_after_load"] / one["decoded_tok_s_after_load"], 3)
+
+
+def test_decoded_together_counts_every_worker_over_the_window_they_all_run():
+    """Two engines' traces: the window runs from the last load to the first one's last point, each count read at
+    both ends by interpolation; a worker with no trace after load gives no figure."""
+    from scripts.bench.workers import decoded_together
+
+    a = [[100.0 + s, s, 500 * s, 8] for s in range(0, 21)]  # 500 tokens a second, 100 s to 120 s
+    b = [[104.5 + s, s, 300 * s, 8] for s in range(0, 11)]  # 300 a second, 104.5 s to 114.5 s
+    out = decoded_together([a, b], loaded=105.0, tokens_per_page=1000)
+    assert out["decoded_window_s"] == 9.5 and out["decoded_by_worker"] == [4750, 2850]
+    assert out["decoded_tok_s_after_load"] == 800.0 and out["decoded_pages_per_hour_after_load"] == 2880
+    assert decoded_together([a, []], loaded=105.0, tokens_per_page=None) == {"decoded_tok_s_after_load": None}
+    assert decoded_together([a], loaded=130.0, tokens_per_page=None) == {"decoded_tok_s_after_load": None}
 
 
 def test_decoded_rates_come_from_the_engines_trace():

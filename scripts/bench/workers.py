@@ -9,8 +9,11 @@ or failed (or ``--max-seconds``), then stopped with SIGTERM. The ledger is a SQL
 Reported per setting: pages, documents done and failed, pages stored per distinct page (none twice), the wall from the
 start to the last document done, pages per hour over it and after load (from the last worker's run opening, i.e.
 once every model is loaded, to the last page stored), each worker's pages (by its runs' owner), and the GPU's busy
-share. With several
-settings, each against the first (``x_first``).
+share. Each worker runs under `scripts.bench.timeline`, so the setting also has what its engines decoded, counted as
+`scripts.bench.pipeline` counts it (chunks in flight included), over the window while every worker runs: from the last
+model loaded to the first worker's last trace point (``decoded_tok_s_after_load``; `decoded_together`), and the
+pages-equivalent an hour at the stand-in's tokens a page. With several settings, each against the first (``x_first``
+on stored pages an hour, ``x_first_decoded`` on tokens decoded a second).
 
     python -m scripts.bench.workers --model /tmp/standin --docs 40 --doc-pages 4-40 --scan --chunk-pages 16 \\
         --rows 128 --workers 1,2 --devices cuda:0 --mode plain --max-seconds 500 --json $OUT/workers.json
@@ -69,7 +72,8 @@ def one_setting(args, documents: list[Path], workers: int, work: Path, url: str 
     with GpuSampler(devices[0]) as gpu:
         for i in range(workers):
             logs.append(open(folder / f"worker-{i}.log", "w", encoding="utf-8"))
-            procs.append(subprocess.Popen([sys.executable, "-m", "ingest.commands.cli", "--config", str(config),
+            procs.append(subprocess.Popen([sys.executable, "-m", "scripts.bench.timeline",
+                                           str(folder / f"worker-{i}.timeline.json"), "--", "--config", str(config),
                                            "watch", "--device", devices[i % len(devices)]],
                                           env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
         db = Database(settings.database_url, settings.database.busy_timeout_ms)
@@ -123,7 +127,41 @@ def one_setting(args, documents: list[Path], workers: int, work: Path, url: str 
         span = (max(stored) - loaded).total_seconds()
         row["after_load_pages_per_hour"] = round(3600 * len(after) / span, 1) if span > 0 else None
     row["gpu_busy"] = gpu.busy(row.get("loaded_s"))
+    traces = []
+    for i in range(workers):
+        timeline = folder / f"worker-{i}.timeline.json"
+        traces.append(json.loads(timeline.read_text()).get("engine_trace") or [] if timeline.exists() else [])
+    if opened:
+        row.update(decoded_together(traces, max(opened).timestamp(), args.tokens_per_page))
     return row
+
+
+def decoded_together(traces: list[list], loaded: float, tokens_per_page: int | None) -> dict:
+    """Tokens the workers' engines decoded a second, together, over the window while every one of them runs: from
+    ``loaded`` (the wall clock once every model is loaded) to the earliest of their last trace points (a trace point:
+    wall clock, steps, tokens, rows; `scripts.bench.timeline`), each worker's count read at both ends by linear
+    interpolation; with ``tokens_per_page``, the pages-equivalent an hour."""
+    if not traces or any(not t or t[-1][0] <= loaded for t in traces):
+        return {"decoded_tok_s_after_load": None}
+    end = min(t[-1][0] for t in traces)
+    if end <= loaded:
+        return {"decoded_tok_s_after_load": None}
+
+    def tokens_at(trace: list, when: float) -> float:
+        if when <= trace[0][0]:
+            return 0.0 if when < trace[0][0] else float(trace[0][2])
+        for (t0, _, n0, _), (t1, _, n1, _) in zip(trace, trace[1:]):
+            if t0 <= when <= t1:
+                return n0 + (n1 - n0) * (when - t0) / (t1 - t0) if t1 > t0 else float(n1)
+        return float(trace[-1][2])
+
+    by_worker = [tokens_at(t, end) - tokens_at(t, loaded) for t in traces]
+    rate = sum(by_worker) / (end - loaded)
+    out = {"decoded_tok_s_after_load": round(rate, 1), "decoded_window_s": round(end - loaded, 1),
+           "decoded_by_worker": [round(n) for n in by_worker]}
+    if tokens_per_page:
+        out["decoded_pages_per_hour_after_load"] = round(3600 * rate / tokens_per_page)
+    return out
 
 
 def _wait(db: Database, documents: int, procs: list, max_seconds: float | None, t0: float) -> tuple[bool, float | None]:
@@ -149,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--chunk-pages", type=int, default=4)
     ap.add_argument("--max-tokens-per-page", type=int, default=1500)
+    ap.add_argument("--tokens-per-page", type=int, default=None, help="tokens a page for pages-equivalent an hour "
+                    "(default: the stand-in's, standin.json)")
     ap.add_argument("--ledger-urls", default="", help="one empty database URL a setting, comma-separated (default: "
                     "a SQLite file in each setting's folder)")
     ap.add_argument("--max-seconds", type=float, default=None, help="stop each setting after this long")
@@ -158,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     standin = (Path(args.model) / "standin.json").is_file()
     args.device, args.repair, args.prepare_processes = args.devices.split(",")[0], not standin, "auto"
+    if args.tokens_per_page is None and standin:
+        args.tokens_per_page = json.loads((Path(args.model) / "standin.json").read_text()).get("tokens_per_page")
     counts = [int(n) for n in args.workers.split(",")]
     urls = args.ledger_urls.split(",") if args.ledger_urls else [None] * len(counts)
     if len(urls) != len(counts):
@@ -174,12 +216,16 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.json, report)
     first = report["settings"][0]
     print(f"\n{'workers':>7} {'rows each':>9} {'pages':>6} {'distinct':>8} {'twice':>5} {'done':>5} {'failed':>6}"
-          f" {'seconds':>8} {'pages/h':>9} {'loaded p/h':>10} {'x first':>7}")
+          f" {'seconds':>8} {'pages/h':>9} {'loaded p/h':>10} {'x first':>7} {'decoded/s':>9} {'x first':>7}")
     for s in report["settings"]:
         s["x_first"] = round(s["pages_per_hour"] / first["pages_per_hour"], 3) if first["pages_per_hour"] else None
+        base = first.get("decoded_tok_s_after_load")
+        s["x_first_decoded"] = round(s["decoded_tok_s_after_load"] / base, 3) \
+            if base and s.get("decoded_tok_s_after_load") else None
         print(f"{s['workers']:>7} {s['rows_each']:>9} {s['pages']:>6} {s['pages_distinct']:>8} {s['stored_twice']:>5}"
               f" {s['documents_done']:>5} {s['documents_failed']:>6} {s['seconds']:>8.1f} {s['pages_per_hour']:>9.1f}"
-              f" {s.get('after_load_pages_per_hour') or 0:>10.1f} {s['x_first'] or 0:>7.3f}")
+              f" {s.get('after_load_pages_per_hour') or 0:>10.1f} {s['x_first'] or 0:>7.3f}"
+              f" {s.get('decoded_tok_s_after_load') or 0:>9.1f} {s['x_first_decoded'] or 0:>7.3f}")
     write_json(args.json, report)
     print(json.dumps(report))
     return 0
