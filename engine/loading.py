@@ -15,7 +15,7 @@ K_MAX = 16  # most drafted tokens a row verifies in one step
 def load_decoder(path: str, device: str = "auto", dtype: str = "auto", mode: str = "official",
                  fast_threshold: float | None = None, max_batch: int | str = 1, kernels: str = "auto",
                  max_pages_per_chunk: int = 0, loop_check=None, vision_attention: str = "auto",
-                 vision_ahead: str = "auto") -> ChunkDecoder:
+                 vision_ahead: str = "auto", kernel_tiles: str = "measured") -> ChunkDecoder:
     """official: transformers generate(); plain / lossless / fast: `BatchEngine` (CUDA graphs on a GPU) with
     ``max_batch`` rows (``auto``: as many as the free GPU memory holds, `engine.batch.memory.auto_batch`; 1 on the CPU).
     kernels: ``torch`` or ``invariant`` (`engine.model.forward`); ``auto`` = invariant in bf16/fp16 on CUDA, so that a
@@ -23,7 +23,7 @@ def load_decoder(path: str, device: str = "auto", dtype: str = "auto", mode: str
     when it has one (`load_block_drafter`). max_pages_per_chunk: sizes the rows' prefix region up front.
     loop_check(page_ids) -> bool: the engine stops a page caught looping there (`engine.batch.loop_watch`).
     vision_attention, vision_ahead (auto, on, off): the engine's vision (`engine.model.sam_attention`,
-    `engine.batch.vision_ahead`)."""
+    `engine.batch.vision_ahead`). kernel_tiles: ``measured`` or ``default`` (`engine.kernels.tiles`)."""
     from engine.batch.engine import BatchEngine
     from engine.batch.memory import STEP_TOKENS_PER_ROW, auto_batch
     from engine.batch.rows import MODES
@@ -44,7 +44,8 @@ def load_decoder(path: str, device: str = "auto", dtype: str = "auto", mode: str
         extra["step_tokens"] = max_batch * STEP_TOKENS_PER_ROW  # the steps' buffers auto sized the rows with
     engine = BatchEngine(loaded, mode, max_batch=int(max_batch), k_max=K_MAX, block_net=net, kernels=kernels,
                          prefix_capacity=prefix, loop_check=loop_check, vision_attention=vision_attention,
-                         vision_ahead={"on": True, "off": False}.get(vision_ahead, "auto"), **extra)
+                         vision_ahead={"on": True, "off": False}.get(vision_ahead, "auto"),
+                         tune_tiles=kernel_tiles == "measured", **extra)
     return EngineDecoder(engine)
 
 

@@ -61,6 +61,8 @@ class EngineSettings(_Section):
     kernels: Literal["auto", "torch", "invariant"] = "auto"  # auto: batch-invariant in bf16/fp16 on CUDA
     vision_attention: Literal["auto", "model", "sdpa", "flex"] = "auto"  # SAM's attention; auto: flex on CUDA in bf16
     vision_ahead: Literal["auto", "on", "off"] = "auto"  # waiting chunks' pages through the tower while rows decode
+    kernel_tiles: Literal["measured", "default"] = "measured"  # invariant kernels' tiles: measured on the card (only
+    # those bitwise equal to the default kept) or the default ones
 
 
 @dataclass(frozen=True)

@@ -445,6 +445,6 @@ def make_worker(settings: Settings, db: Database, **kw: Any) -> Worker:
         return load_decoder(settings.model_path, m.device, m.dtype, e.mode, e.fast_threshold, max_batch=e.max_batch,
                             kernels=e.kernels, max_pages_per_chunk=e.max_pages_per_chunk,
                             loop_check=loop_stopper(grading_thresholds(settings).thresholds),
-                            vision_attention=e.vision_attention, vision_ahead=e.vision_ahead)
+                            **e.model_dump(include={"vision_attention", "vision_ahead", "kernel_tiles"}))
 
     return Worker(settings, db, load, **kw)
