@@ -99,6 +99,35 @@ def test_batches_equal_official_for_every_chunk(models, official, window, equal_
         assert (min(taus) > 3) if how == "right" else (max(taus) == 0 if how == "wrong" else 0 < max(taus) < 8)
 
 
+def test_the_next_plain_step_runs_ahead_with_the_same_tokens(models, official, equal_step_costs):
+    """The next plain step goes to the device before the host commits this one (engine/batch/overlap.py): the same
+    tokens and log-probabilities as without it, with admissions while others decode and a chunk that ends early; in
+    lossless mode too once always-wrong drafts stop drafting; dropping the rows discards a step launched ahead."""
+    loaded = models[8]
+    expected = [official(8, i) for i in range(len(CHUNKS))]
+    vocab = loaded.model.config.text_config.vocab_size
+    runs = {}
+    for mode, overlap in (("plain", True), ("plain", False), ("lossless", True)):
+        factory = (lambda r: [ReplayDrafter(r.replay_ids)]) if mode == "lossless" else None
+        engine = BatchEngine(loaded, mode, max_batch=3, drafter_factory=factory, overlap=overlap)
+        requests = [engine.prepare(c, limit(8, i), key=i, replay_ids=corrupt(ids, vocab, "wrong", i))
+                    for i, (c, ids) in enumerate(zip(CHUNKS, expected))]
+        results = engine.run(requests)
+        assert [r.output_ids for r in results] == expected, (mode, overlap)
+        runs[mode, overlap] = ([r.logprobs for r in results], engine.steps_ahead, engine.steps)
+    assert runs["plain", True][0] == runs["plain", False][0]  # (lossless verifies at other widths: fp32 rounds apart)
+    assert runs["plain", False][1] == 0 and runs["plain", True][1] > runs["plain", True][2] // 2
+    assert runs["lossless", True][1] > 0  # once the wrong drafts stopped drafting
+    engine = BatchEngine(loaded, "plain", max_batch=2)
+    for i in (0, 2):
+        engine.submit(engine.prepare(CHUNKS[i], limit(8, i), key=i))
+    while engine.in_flight is None:
+        engine.step()
+    dropped = engine.drop_rows()
+    assert engine.in_flight is None and sorted(r.key for r in dropped) == [0, 2]
+    assert [r.output_ids for r in engine.run(dropped)] == [expected[r.key] for r in dropped]
+
+
 def test_rule_fires_inside_batches_and_is_followed(models, official, monkeypatch):
     """A looping model: the no-repeat rule bans the argmax in verify rows; the batch still equals official."""
     loaded = models["loop"]

@@ -11,7 +11,8 @@
    acceptance and the measured cost of each width at this batch size and prefix (plain decoding is width 1, taken
    whenever a wider step does not promise more tokens per second);
 3. one forward runs every row's ``[last token, drafts, padding]`` (a CUDA graph per rows x width x prefix bucket
-   on a GPU), one copy brings each token's greedy choice to the host;
+   on a GPU), one copy brings each token's greedy choice to the host; when the next step is a plain one whose inputs
+   are then known, it goes to the device at once, before this step's bookkeeping (`engine.batch.overlap`);
 4. each row applies the one acceptance rule (`engine.batch.acceptance`): it commits what the target itself chose, so
    every chunk's tokens equal official ``generate()`` of that chunk alone; a row that reaches EOS or its token limit
    ends, its results leave at once and its row is free for the next chunk.
@@ -36,6 +37,7 @@ from engine.batch.acceptance import accept
 from engine.batch.admission import ADMIT_PAGES, ADMIT_TOKENS, VISION_GROUP, admit
 from engine.batch.loop_watch import LOOP_EVERY, LoopWatch
 from engine.batch.memory import admission_bytes, free_bytes, rows_to_drop
+from engine.batch.overlap import Launched, admission_waits, next_plain_step, stage_inputs
 from engine.batch.requests import ChunkRequest, ChunkResult
 from engine.batch.rows import DRAFTERS, MODES, Row, make_drafters
 from engine.batch.step_width import StepWidth
@@ -50,24 +52,6 @@ from engine.ngram_rule import official_rule
 from engine.official import chunk_inputs
 
 TRACE_EVERY = 1.0  # seconds between two points of ``BatchEngine.trace``
-
-
-def tune_invariant_tiles(model) -> None:
-    """`engine.kernels.invariant.tune_tiles` where it measures anything; out of memory keeps the default tiles."""
-    from engine.kernels import invariant
-
-    if not invariant.tunable(model):
-        return
-    try:
-        t0, tuned = time.perf_counter(), len(invariant.TILES.tuned)
-        invariant.tune_tiles(model)
-        if len(invariant.TILES.tuned) > tuned:
-            logger.info("invariant kernel tiles measured in {:.1f}s: {}", time.perf_counter() - t0,
-                        invariant.TILES.summary())
-    except torch.OutOfMemoryError:
-        logger.warning("out of memory while measuring the kernels' tiles: the default tiles stay")
-    finally:
-        torch.cuda.empty_cache()
 
 
 class BatchEngine:
@@ -89,7 +73,8 @@ class BatchEngine:
     vision_ahead: the pages of chunks waiting for a row through the vision tower while the rows decode
     (`engine.batch.vision_ahead`; auto: on CUDA in bf16/fp16, on a second stream). tune_tiles: with the invariant
     kernels on CUDA in bf16/fp16, their tiles measured first, before the cache takes the memory (once a process:
-    `engine.kernels.tiles`; only configurations bitwise equal to the default are kept)."""
+    `engine.kernels.tiles`; only configurations bitwise equal to the default are kept). overlap: the next plain step
+    goes to the device before the host commits this one (`engine.batch.overlap`; the same tokens)."""
 
     def __init__(self, loaded: LoadedModel, mode: str = "lossless", *, max_batch: int = 1, k_max: int = 16,
                  drafters: tuple[str, ...] = DRAFTERS, fast_threshold: float = 0.3, block_net=None,
@@ -98,7 +83,8 @@ class BatchEngine:
                  linear: str = "auto", prefix_capacity: int = 0, vision_group: int = VISION_GROUP, drafter_factory=None,
                  adaptive_width: bool = True, admit_pages: int = ADMIT_PAGES, admit_tokens: int = ADMIT_TOKENS,
                  loop_check=None, loop_every: int = LOOP_EVERY, step_tokens: int | None = None,
-                 vision_attention: str = "auto", vision_ahead: str | bool = "auto", tune_tiles: bool = True):
+                 vision_attention: str = "auto", vision_ahead: str | bool = "auto", tune_tiles: bool = True,
+                 overlap: bool = True):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         if set(drafters) - set(DRAFTERS) or k_max < 1 or max_batch < 1 or not 0.0 < fast_threshold <= 1.0:
@@ -108,6 +94,8 @@ class BatchEngine:
             raise ValueError(f"the block drafter was made for hidden size {block_net.config.target_hidden}, "
                              f"the model has {config.hidden_size}")
         self.loaded, self.mode, self.k_max = loaded, mode, k_max
+        self.overlap, self.in_flight = overlap, None  # the step launched ahead (`engine.batch.overlap`), if any
+        self.steps_ahead = 0  # steps launched before the host committed the one before
         self.drafter_names, self.fast_threshold = tuple(drafters), fast_threshold
         self.block_beside_copies, self.block_sits_out, self.block_full_k = \
             block_beside_copies, block_sits_out, block_full_k
@@ -120,7 +108,9 @@ class BatchEngine:
         self.eos = loaded.eos_token_id
         self.strict = frozenset(i for i in (self.eos, loaded.page_sep_id) if i is not None)
         if kernels == "invariant" and tune_tiles:
-            tune_invariant_tiles(model)
+            from engine.kernels.invariant import measure_tiles
+
+            measure_tiles(model)
         max_width = k_max + 1  # plain runs width 1 only, but the ring (and so every row's key walk) is the same
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.kv = KVSlots(num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
@@ -201,7 +191,9 @@ class BatchEngine:
     @torch.inference_mode()
     def step(self) -> list[ChunkResult]:
         """Admit what fits, run one step over every row, return the chunks that ended."""
-        finished = admit(self)
+        # a step launched ahead is completed before an admission changes the rows (it then launches nothing ahead)
+        finished = self._step() if self.in_flight is not None and admission_waits(self) else []
+        finished += admit(self)
         if not self.active:
             return finished
         self.ahead.launch(self)
@@ -247,6 +239,7 @@ class BatchEngine:
     @torch.inference_mode()
     def drop_rows(self) -> list[ChunkRequest]:
         """Free every row (after an error the caller handles); returns their requests. The queue stays."""
+        self.in_flight = None  # a step launched ahead is dropped with its rows (nothing of it was committed)
         dropped = [r.request for r in self.rows if r is not None]
         for row in [r for r in self.rows if r is not None]:
             self.rows[row.index] = None
@@ -276,6 +269,20 @@ class BatchEngine:
             torch.cuda.empty_cache()
 
     def _step(self) -> list[ChunkResult]:
+        """One step: the one launched ahead by the last call, or a new one; its results committed. With ``overlap``, the
+        next plain step goes to the device before this one's bookkeeping (`engine.batch.overlap`)."""
+        launched = self.in_flight or self._launch()
+        self.in_flight = None
+        rows = self._collect(launched)
+        ahead = next_plain_step(self, launched, rows) if self.overlap else None
+        finished = self._commit(launched, rows)
+        if ahead is not None:
+            ahead.t0 = ahead.t_plan = ahead.t_draft = time.perf_counter()  # its wall time runs from here
+            self.in_flight, self.steps_ahead = ahead, self.steps_ahead + 1
+        return finished
+
+    def _launch(self) -> Launched:
+        """Plan the rows' drafts, choose the width, stage the inputs and start the step on the device."""
         t0 = time.perf_counter()
         live = [r for r in self.rows if r is not None]
         n = bucket(live[-1].index + 1, self.row_buckets)
@@ -289,14 +296,9 @@ class BatchEngine:
             wants = [self._accept_at(row, name, min(len(d) or k, widest - 1)) for row, (name, d, k) in zip(live, plans)]
             w = self.step_width.choose(n, prefix_bucket, wants, any(k for _, _, k in plans))
         t_plan = time.perf_counter()  # the rows' host drafting, and the width chosen on it
-        # every width's columns are staged (positions past the step's width are uncommitted ones)
-        index = np.fromiter((r.index for r in live), dtype=np.int64, count=len(live))
-        ids, pos, span = self.kv.host_ids, self.kv.host_pos, np.arange(self.kv.max_width)
-        ids[:n] = 0
-        pos[:n] = span[None]
-        ids[index] = np.fromiter((r.output[-1] for r in live), dtype=np.int64, count=len(live))[:, None]
-        pos[index] = np.fromiter((r.length for r in live), dtype=np.int64, count=len(live))[:, None] + span
         ks = [min(len(d) or dk, w - 1) for _, d, dk in plans]
+        stage_inputs(self, live, n, [r.output[-1] for r in live], [r.length for r in live])
+        ids = self.kv.host_ids
         block_rows = np.zeros(n, dtype=bool)
         for row, (_, draft, device_k), k in zip(live, plans, ks):
             if k and draft:
@@ -312,16 +314,25 @@ class BatchEngine:
             self.kv.ids[:n, 1 : 1 + width] = torch.where(mask, out[:, :width], self.kv.ids[:n, 1 : 1 + width])
         captures = self._captures()
         summary = self._run(n, w, min(prefix_bucket, self.kv.capacity))
-        # while the device runs the step: each row's bans after each prefix of its host draft (the acceptance rule's
-        # only host work that grows with the draft); a device (block) draft is known only after the step
-        bans = [[row.rule.banned(draft[:i]) for i in range(k + 1 if draft else 1)]
-                for row, (_, draft, _), k in zip(live, plans, ks)]
-        for row in live:  # and the loop watch of what the rows committed so far (`engine.batch.loop_watch`)
+        return Launched(live, n, w, prefix_bucket, plans, ks, bool(block_rows.any()), drafting, captures, summary,
+                        t0, t_plan, t_draft)
+
+    def _collect(self, launched: Launched) -> np.ndarray:
+        """While the device runs the step: each row's bans after each prefix of its host draft (the acceptance rule's
+        only host work that grows with the draft; a device (block) draft is known only after the step) and the loop
+        watch of what the rows committed so far (`engine.batch.loop_watch`). Then the step's one host sync."""
+        launched.bans = [[row.rule.banned(draft[:i]) for i in range(k + 1 if draft else 1)]
+                         for row, (_, draft, _), k in zip(launched.live, launched.plans, launched.ks)]
+        for row in launched.live:
             if row.watch is not None:
                 row.watch.scan(row.output)
-        rows = summary.cpu().numpy()  # the one host sync of a step
+        return launched.summary.cpu().numpy()
+
+    def _commit(self, launched: Launched, rows: np.ndarray) -> list[ChunkResult]:
+        """Each row applies the acceptance rule to the step's results; the step's costs and counts are kept."""
+        live, n, w, plans, ks = launched.live, launched.n, launched.w, launched.plans, launched.ks
         finished, counts = [], {}
-        for row, (name, _, _), k, row_bans in zip(live, plans, ks, bans):
+        for row, (name, _, _), k, row_bans in zip(live, plans, ks, launched.bans):
             r = rows[row.index]
             if not k and not row_bans[0]:  # the common case: one token, the argmax
                 row.take(int(r[0, 0]), float(r[0, 1] - r[0, 2]))
@@ -335,14 +346,14 @@ class BatchEngine:
             counts[row.index] = len(res.emitted)
         if self.block is not None:
             self.block.feed(counts, self.forward.step_features(n, w))
-        seconds = time.perf_counter() - t0
+        seconds = time.perf_counter() - launched.t0
         self.timing["steps_s"] += seconds
-        drafted = t_plan - t0
+        drafted = launched.t_plan - launched.t0
         # a step that captured graphs says nothing of cost; drafting is priced apart (`engine.batch.step_width`)
-        timed = seconds - drafted if self._captures() == captures else None
-        self.step_width.observe(n, prefix_bucket, w, bool(block_rows.any()), timed, sum(counts.values()), len(live),
-                                drafted if drafting else None)
-        share, draft_share = seconds / len(live), (t_draft - t0) / len(live)
+        timed = seconds - drafted if self._captures() == launched.captures else None
+        self.step_width.observe(n, launched.prefix_bucket, w, launched.block, timed, sum(counts.values()), len(live),
+                                drafted if launched.drafting else None)
+        share, draft_share = seconds / len(live), (launched.t_draft - launched.t0) / len(live)
         for row, k in zip(live, ks):
             row.account(share, draft_share, bool(k), len(live))
             if row.done(self.eos):
@@ -407,6 +418,7 @@ class BatchEngine:
     def _shrink(self, limit: int, reason: str) -> None:
         """Out of memory: the rows at ``limit`` and above go back to the front of the queue (from their start) and
         the key/value cache gives their memory back (`KVSlots.keep_rows`); the batch stays at ``limit`` rows."""
+        self.in_flight = None  # not committed: the rows kept run those positions again
         back = [r for r in self.rows[limit:] if r is not None]
         for row in back:
             self.rows[row.index] = None

@@ -169,6 +169,11 @@ class StepWidth:
         self._probe_drafts = self._plain_run >= SKIP_AFTER and self._probe_due(rows, prefix)
         return self._plain_run < SKIP_AFTER or self._probe_drafts
 
+    def skips_drafting(self, rows: int, prefix: int) -> bool:
+        """What ``drafting`` would say against, without deciding anything: the rows stopped drafting and no probe is
+        due (`engine.batch.overlap` asks it before the last step's ``observe``: a probe then comes a step later)."""
+        return self._plain_run >= SKIP_AFTER and not self._probe_due(rows, prefix)
+
     def _probe_due(self, rows: int, prefix: int) -> bool:
         """A probe once the plain steps since the last one took ``1 / PROBE_BUDGET`` times what the probe costs
         beyond a plain step (its wider step, where known, and its drafting), and ``PROBE_MIN_GAP`` steps at least."""

@@ -22,8 +22,10 @@ On the CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``), 
 from __future__ import annotations
 
 import os
+import time
 
 import torch
+from loguru import logger
 
 if not torch.cuda.is_available():  # read by triton.jit below: the kernels run interpreted (CPU tests)
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -327,6 +329,21 @@ def tunable(model) -> bool:
     """Whether `tune_tiles` measures anything for this model: on CUDA in bf16/fp16 (fp32 keeps the default tiles)."""
     weight = model.lm_head.weight
     return weight.device.type == "cuda" and weight.dtype != torch.float32
+
+
+def measure_tiles(model) -> None:
+    """`tune_tiles` where it measures anything (`tunable`), once a process; out of memory keeps the default tiles."""
+    if not tunable(model):
+        return
+    try:
+        t0, tuned = time.perf_counter(), len(TILES.tuned)
+        tune_tiles(model)
+        if len(TILES.tuned) > tuned:
+            logger.info("invariant kernel tiles measured in {:.1f}s: {}", time.perf_counter() - t0, TILES.summary())
+    except torch.OutOfMemoryError:
+        logger.warning("out of memory while measuring the kernels' tiles: the default tiles stay")
+    finally:
+        torch.cuda.empty_cache()
 
 
 def tune_tiles(model, table=TILES, **options) -> None:

@@ -141,13 +141,15 @@ def run_generate(loaded, chunks, tokens: int, device: str, warm_tokens: int = 8)
 WARM_TOKENS = 64  # the untimed run before a timed one: the shapes the width choice explores first are captured there
 
 
-VISION = {"attention": "auto", "ahead": "auto"}  # the engines' vision: --vision-attention, --vision-ahead
+ENGINE_OPTIONS = {"attention": "auto", "ahead": "auto", "overlap": True}  # --vision-attention, --vision-ahead, --overlap
 
 
-def add_vision_options(ap) -> None:
+def add_engine_options(ap) -> None:
     ap.add_argument("--vision-attention", default="auto", help="SAM's attention: auto, model, sdpa or flex")
     ap.add_argument("--vision-ahead", choices=("auto", "on", "off"), default="auto",
                     help="waiting chunks' pages through the vision tower while rows decode (auto: on CUDA)")
+    ap.add_argument("--overlap", choices=("on", "off"), default="on",
+                    help="the next plain step launched before the host commits this one (engine.batch.overlap)")
 
 
 @torch.inference_mode()
@@ -178,14 +180,15 @@ def run_engine(loaded, chunks, tokens: int, device: str, mode: str, kernels: str
     free_at_start = round(free_gb(), 2) if device.startswith("cuda") else None
     engine = BatchEngine(loaded, mode, max_batch=max_batch or len(chunks), kernels=kernels, k_max=k_max,
                          drafter_factory=factory, vision_group=vision_group, step_tokens=step_tokens,
-                         vision_attention=VISION["attention"],
-                         vision_ahead={"on": True, "off": False}.get(VISION["ahead"], "auto"))
+                         vision_attention=ENGINE_OPTIONS["attention"],
+                         vision_ahead={"on": True, "off": False}.get(ENGINE_OPTIONS["ahead"], "auto"),
+                         overlap=ENGINE_OPTIONS["overlap"])
     requests = [engine.prepare(c, tokens, key=i) for i, c in enumerate(chunks)]
     if warm:
         engine.run([engine.prepare(c, min(WARM_TOKENS, tokens), key=i) for i, c in enumerate(chunks)])
         capture_widths(engine, len(chunks), len(requests[0].prompt_ids))
     capture_before = engine.graphs.capture_s if engine.graphs is not None else 0.0
-    width_before = dict(engine.width_steps)
+    width_before, ahead_before = dict(engine.width_steps), engine.steps_ahead
     engine.timing = dict.fromkeys(engine.timing, 0.0)
     steps_before = engine.steps
     if device.startswith("cuda"):
@@ -222,7 +225,7 @@ def run_engine(loaded, chunks, tokens: int, device: str, mode: str, kernels: str
            "probes": engine.step_width.probes, "calibration": round(engine.step_width.calibration, 3),
            "width_costs_ms": width_costs(engine.step_width.cost),
            "rows": engine.max_batch, "row_limit": engine.row_limit, "cache_rows": engine.kv.rows,
-           "step_tokens": engine.step_tokens,
+           "step_tokens": engine.step_tokens, "steps_ahead": engine.steps_ahead - ahead_before,
            "admit_pages": engine.admit_pages, "admission_peak_gb": round(engine.admission_peak / 2**30, 3),
            "memory_events": engine.memory_events, "free_gb_at_start": free_at_start,
            "backend": "graphs" if engine.graphs is not None else "eager", "kernels": kernels}
@@ -366,13 +369,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mem-batch", type=int, default=64)
     ap.add_argument("--k-max", type=int, default=16)
     ap.add_argument("--vision-group", type=int, default=8)
-    add_vision_options(ap)
+    add_engine_options(ap)
     ap.add_argument("--device", default=None)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (a loaded CPU: 1)")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--plant", type=float, default=100.0)
     args = ap.parse_args(argv)
-    VISION.update(attention=args.vision_attention, ahead=args.vision_ahead)
+    ENGINE_OPTIONS.update(attention=args.vision_attention, ahead=args.vision_ahead, overlap=args.overlap == "on")
     t_start = time.perf_counter()
     args.device = args.device or ("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("fp32" if args.device == "cpu" else "bf16")]

@@ -32,8 +32,8 @@ import torch
 from engine.batch.memory import STEP_TOKENS_PER_ROW
 from engine.kernels.tiles import TILES
 from scripts.bench.engine import (
-    VISION,
-    add_vision_options,
+    ENGINE_OPTIONS,
+    add_engine_options,
     build_model,
     chunks_for,
     corrupt,
@@ -126,9 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--oom-factor", type=float, default=2.0, help="forced run: this many times the auto rows (0: none)")
     ap.add_argument("--oom-tokens", type=int, default=32)
     ap.add_argument("--plant", type=float, default=100.0)
-    add_vision_options(ap)
+    add_engine_options(ap)
     args = ap.parse_args(argv)
-    VISION.update(attention=args.vision_attention, ahead=args.vision_ahead)
+    ENGINE_OPTIONS.update(attention=args.vision_attention, ahead=args.vision_ahead, overlap=args.overlap == "on")
     t_start = time.perf_counter()
     args.device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
