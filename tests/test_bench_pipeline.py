@@ -49,9 +49,14 @@ def test_the_workers_bench_runs_one_and_two_watchers_on_one_ledger(tmp_path, tin
     assert (one["rows_each"], two["rows_each"]) == (2, 1) and len(two["devices"]) == 2
     assert len(two["pages_by_worker"]) == 2, two  # both watchers stored pages
     assert two["x_first"] == round(two["pages_per_hour"] / one["pages_per_hour"], 3)
-    for s in (one, two):  # each watcher ran under the timeline: what its engine decoded is counted
-        assert s["decoded_tok_s_after_load"] > 0 and len(s["decoded_by_worker"]) == s["workers"], s
-    assert two["x_first_decoded"] == round(two["decoded_tok_s_after_load"] / one["decoded_tok_s_after_load"], 3)
+    # each watcher ran under the timeline: what its engine decoded is counted; two tiny CPU watchers may not decode
+    # at the same time at all (one takes every chunk before the other has loaded): then no figure, and why
+    assert one["decoded_tok_s_after_load"] > 0 and len(one["decoded_by_worker"]) == 1, one
+    if two["decoded_tok_s_after_load"] is None:
+        assert "never decoded together" in two["decoded_omitted"] and two["x_first_decoded"] is None, two
+    else:
+        assert len(two["decoded_by_worker"]) == 2
+        assert two["x_first_decoded"] == round(two["decoded_tok_s_after_load"] / one["decoded_tok_s_after_load"], 3)
 
 
 def test_decoded_together_counts_every_worker_over_the_window_they_all_run():
@@ -64,8 +69,8 @@ def test_decoded_together_counts_every_worker_over_the_window_they_all_run():
     out = decoded_together([a, b], loaded=105.0, tokens_per_page=1000)
     assert out["decoded_window_s"] == 9.5 and out["decoded_by_worker"] == [4750, 2850]
     assert out["decoded_tok_s_after_load"] == 800.0 and out["decoded_pages_per_hour_after_load"] == 2880
-    assert decoded_together([a, []], loaded=105.0, tokens_per_page=None) == {"decoded_tok_s_after_load": None}
-    assert decoded_together([a], loaded=130.0, tokens_per_page=None) == {"decoded_tok_s_after_load": None}
+    assert decoded_together([a, []], loaded=105.0, tokens_per_page=None)["decoded_tok_s_after_load"] is None
+    assert decoded_together([a], loaded=130.0, tokens_per_page=None)["decoded_tok_s_after_load"] is None
 
 
 def test_decoded_rates_come_from_the_engines_trace():

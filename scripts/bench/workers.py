@@ -142,10 +142,9 @@ def decoded_together(traces: list[list], loaded: float, tokens_per_page: int | N
     wall clock, steps, tokens, rows; `scripts.bench.timeline`), each worker's count read at both ends by linear
     interpolation; with ``tokens_per_page``, the pages-equivalent an hour."""
     if not traces or any(not t or t[-1][0] <= loaded for t in traces):
-        return {"decoded_tok_s_after_load": None}
+        return {"decoded_tok_s_after_load": None, "decoded_omitted": "a worker's engine trace ends before the last "
+                "model was loaded (or is missing): the workers never decoded together"}
     end = min(t[-1][0] for t in traces)
-    if end <= loaded:
-        return {"decoded_tok_s_after_load": None}
 
     def tokens_at(trace: list, when: float) -> float:
         if when <= trace[0][0]:
