@@ -7,10 +7,17 @@ chunks are all done (or split into chunks that are) but that is not finished yet
 outputs. ``fail_document`` records a document that could not be finished (its outputs or its archiving failed), and
 ``retry_failed`` gives a failed one another try. A failed document records where its original lies while it is failed
 (``failed_path``: ingest.intake.failed puts it in failed/).
+
+Finishing is one worker's at a time (``claim_finish``): the worker that stored a document's last chunk and a worker
+that finds it ready while idle (after a crash in between) would otherwise both write its outputs and both archive its
+original, the second one failing it. The claim is a lease on the document's first chunk, whose lease fields a chunk
+that is not running has no other use for; it is released when the document is done or failed, runs out after
+``FINISH_LEASE_SECONDS`` (a finisher that died), and passes at once from an owner known to be gone.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -22,6 +29,7 @@ from db.models import Chunk, ChunkStatus, DocStatus, Document
 from db.session import Database, among
 
 D = Document.__table__
+FINISH_LEASE_SECONDS = 600.0  # a document's finishing claim (grades, outputs, PDF/A, archiving), renewed on the way
 C = Chunk.__table__
 WAITING = (DocStatus.QUEUED, DocStatus.RUNNING)
 PENDING = (ChunkStatus.QUEUED, ChunkStatus.RUNNING)
@@ -162,12 +170,52 @@ def note_file_stamp(db: Database, doc_id: int, size: int, mtime_ns: int) -> None
         conn.execute(update(D).where(D.c.id == doc_id).values(size_bytes=size, mtime_ns=mtime_ns))
 
 
+def _first_chunk(doc_id: int):
+    return select(func.min(C.c.id)).where(C.c.document_id == doc_id).scalar_subquery()
+
+
+def claim_finish(db: Database, doc_id: int, owner: str, gone: Collection[str] = (),
+                 lease_seconds: float = FINISH_LEASE_SECONDS) -> bool:
+    """Take (or renew) the finishing of the document for ``owner`` (see the module docstring); False when another
+    owner holds it, unless that owner is among ``gone``."""
+    now = time.time()
+    free = [C.c.lease_owner.is_(None), C.c.lease_owner == owner, C.c.lease_expires_at < now]
+    if gone:
+        free.append(C.c.lease_owner.in_(list(gone)))
+    with db.engine.begin() as conn:
+        return conn.execute(update(C).where(C.c.id == _first_chunk(doc_id), C.c.status != ChunkStatus.RUNNING,
+                                            or_(*free))
+                            .values(lease_owner=owner, lease_expires_at=now + lease_seconds)).rowcount == 1
+
+
+def finishing_owner(db: Database, doc_id: int) -> str | None:
+    """Who holds the document's finishing claim now (an unexpired one), if anyone."""
+    with db.engine.begin() as conn:
+        return conn.execute(select(C.c.lease_owner).where(
+            C.c.id == _first_chunk(doc_id), C.c.status != ChunkStatus.RUNNING,
+            C.c.lease_expires_at >= time.time())).scalar()
+
+
+def _release_finish(conn: Connection, doc_id: int, owner: str | None = None) -> None:
+    held_by = [] if owner is None else [C.c.lease_owner == owner]
+    conn.execute(update(C).where(C.c.id == _first_chunk(doc_id), C.c.status != ChunkStatus.RUNNING, *held_by)
+                 .values(lease_owner=None, lease_expires_at=None))
+
+
+def release_finish(db: Database, doc_id: int, owner: str) -> None:
+    """Give the document's finishing claim back, if ``owner`` holds it (it finished nothing)."""
+    with db.engine.begin() as conn:
+        _release_finish(conn, doc_id, owner)
+
+
 def finish_document(db: Database, doc_id: int, output_dir: Path, archived: Path | None, error: str | None) -> None:
-    """The document's outputs are written (into ``output_dir``) and its original archived: it is done."""
+    """The document's outputs are written (into ``output_dir``) and its original archived: it is done (and its
+    finishing claim released)."""
     with db.engine.begin() as conn:
         conn.execute(update(D).where(D.c.id == doc_id).values(
             status=DocStatus.DONE, archived_path=str(archived) if archived else None, error=error,
             output_dir=str(output_dir), completed_at=datetime.now(timezone.utc)))
+        _release_finish(conn, doc_id)
 
 
 def fail_document(db: Database, doc_id: int, reason: str, output_dir: Path | None = None) -> None:
@@ -177,6 +225,7 @@ def fail_document(db: Database, doc_id: int, reason: str, output_dir: Path | Non
         values["output_dir"] = str(output_dir)
     with db.engine.begin() as conn:
         conn.execute(update(D).where(D.c.id == doc_id).values(**values))
+        _release_finish(conn, doc_id)
 
 
 def documents(db: Database, ids: Collection[int]) -> list[Document]:

@@ -464,3 +464,28 @@ def test_a_version_3_ledger_is_migrated_to_batch_limits_and_failed_paths(any_db)
             assert s.get(Document, doc).failed_path == "/in/doc.pdf"
         s2 = add_document(again, 1, "new.pdf")
         assert claim(again, "w", 60, 3).document_id in (doc, s2)
+
+
+def test_one_worker_at_a_time_finishes_a_document(any_db):
+    """The finishing claim (db.documents.claim_finish): the first owner holds it and may renew it, another is refused
+    until it is released by the document's end, runs out, or its holder is named gone; claims of other documents and
+    the queue's leases are untouched."""
+    from db.documents import claim_finish, fail_document, finish_document, finishing_owner, release_finish
+
+    doc, other = add_document(any_db, 2), add_document(any_db, 1, "other.pdf")
+    for c in [claim(any_db, "w", 60, 3) for _ in range(3)]:
+        assert complete_chunk(any_db, c)
+    assert claim_finish(any_db, doc, "a") and claim_finish(any_db, doc, "a")  # taken, then renewed
+    assert not claim_finish(any_db, doc, "b") and finishing_owner(any_db, doc) == "a"
+    assert claim_finish(any_db, other, "b")  # another document: its own claim
+    assert claim_finish(any_db, doc, "b", gone=["a"]) and finishing_owner(any_db, doc) == "b"  # a died
+    finish_document(any_db, doc, ROOT, None, None)  # done: released
+    assert finishing_owner(any_db, doc) is None and claim_finish(any_db, doc, "c")  # (a re-run's rewrite)
+    release_finish(any_db, doc, "someone else")  # only its holder gives it back
+    assert finishing_owner(any_db, doc) == "c"
+    release_finish(any_db, doc, "c")
+    assert claim_finish(any_db, doc, "d", lease_seconds=-1) and claim_finish(any_db, doc, "e")  # d's ran out
+    fail_document(any_db, other, "a reason")  # failed: released too
+    assert finishing_owner(any_db, other) is None
+    with any_db.session() as s:  # no chunk looks leased to the queue (only running chunks hold its leases)
+        assert not s.scalars(select(Chunk).where(Chunk.status == ChunkStatus.RUNNING)).all()

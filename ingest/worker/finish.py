@@ -12,13 +12,23 @@ is finished once there is room.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from loguru import logger
 
-from db.documents import fail_document, finish_document, get_document, ready_to_finish, unfinished_documents
+from db.documents import (
+    WAITING,
+    claim_finish,
+    fail_document,
+    finish_document,
+    finishing_owner,
+    get_document,
+    ready_to_finish,
+    release_finish,
+    unfinished_documents,
+)
 from db.models import Document, Page, Run
 from db.pages import done_documents_with_pages_of_run, latest_pages, set_page_stats
 from db.reviews import page_states
@@ -28,6 +38,7 @@ from ingest.config import Settings
 from ingest.errors import infrastructure_problem
 from ingest.files import file_away, free_name
 from ingest.intake.failed import file_failed
+from ingest.ledger.owners import is_gone, this_process
 from ingest.outputs.write import holds_another_document, write_document_outputs
 from ingest.quality.calibration import grading_thresholds
 from ingest.quality.grades import grade_document, plain_text
@@ -39,13 +50,22 @@ class Finisher:
     settings: Settings
     db: Database
     document_ids: frozenset[int] | None = None  # only these documents (uflash run FILE...); None: any
+    owner: str = field(default_factory=this_process)  # who finishes (db.documents.claim_finish)
 
     def finish_ready(self, skip: Callable[[int], bool] = lambda doc_id: False) -> None:
         """Finish this worker's documents whose chunks are all done but whose outputs were not written (a crash between
-        the last chunk and the outputs leaves exactly this), but those ``skip`` names (to be finished anyway)."""
+        the last chunk and the outputs leaves exactly this), but those ``skip`` names (to be finished anyway) and those
+        another worker is finishing now."""
         for doc_id in unfinished_documents(self.db, self.document_ids):
             if not skip(doc_id) and ready_to_finish(self.db, doc_id):
-                self.finish(doc_id)
+                self.finish(doc_id, unfinished_only=True)
+
+    def claim(self, doc_id: int) -> bool:
+        """Take or renew the document's finishing (one worker at a time: db.documents.claim_finish); a holder known to
+        be gone (ingest.ledger.owners) gives it up at once."""
+        holder = finishing_owner(self.db, doc_id)
+        gone = [holder] if holder and holder != self.owner and is_gone(holder) else []
+        return claim_finish(self.db, doc_id, self.owner, gone)
 
     def rewrite_after_rerun(self, run_id: int, doc_ids: list[int]) -> None:
         """Rewrite the outputs of the finished documents (of this worker's) that ``run_id`` stored pages of, once the
@@ -55,10 +75,17 @@ class Finisher:
             if ready_to_finish(self.db, doc_id):
                 self.finish(doc_id)
 
-    def finish(self, doc_id: int) -> Path | None:
+    def finish(self, doc_id: int, unfinished_only: bool = False) -> Path | None:
         """Write the document's outputs, archive its original, mark it done. Returns the output folder, or None when
-        the document could not be finished: then it is failed with the reason."""
+        the document could not be finished (then it is failed with the reason), when another worker is finishing it,
+        or, with ``unfinished_only``, when it is finished already."""
+        if not self.claim(doc_id):
+            logger.debug("document {} is being finished by {}", doc_id, finishing_owner(self.db, doc_id))
+            return None
         doc = get_document(self.db, doc_id)
+        if unfinished_only and doc.status not in WAITING:  # finished meanwhile, by whoever held the claim before
+            release_finish(self.db, doc_id, self.owner)
+            return None
         pages = latest_pages(self.db, doc_id)
         self._grade(pages)
         indexes = [p.page_index for p in pages]
@@ -86,6 +113,10 @@ class Finisher:
                 raise
             return self._not_finished(doc, f"outputs could not be written: {e}")
         archived, error, src = None, None, Path(doc.original_path)
+        if not self.claim(doc_id):  # the outputs took longer than the claim and another worker took it over
+            logger.warning("{}: outputs written, its finishing taken over by {}", doc.original_name,
+                           finishing_owner(self.db, doc_id))
+            return None
         if archive_name is None:
             archived = Path(doc.archived_path)  # archived by an earlier pass (this is a re-run)
         elif src.exists():

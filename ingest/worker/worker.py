@@ -94,7 +94,7 @@ class Worker:
 
     def __post_init__(self) -> None:
         self.trouble = self.trouble or Trouble(self.settings.logs, "worker")
-        self.finisher = Finisher(self.settings, self.db, self.document_ids)
+        self.finisher = Finisher(self.settings, self.db, self.document_ids, self.owner)
         self.finishing = FinishQueue(self.finisher)
         self.checks = ChunkChecks(self.settings, self._store_checked)
         self.repairs: dict[RepairKey, Repair] = {}  # pages the checks decode again alone, decoding now
