@@ -48,7 +48,8 @@ def _record_path(folder: Path, owner: str) -> Path:
 @dataclass
 class Trouble:
     """The trouble one loop (``loop``: "intake", "worker") of this process is in, if any. ``failed()`` after a try
-    that met an infrastructure problem, ``ok()`` after one that worked."""
+    that met an infrastructure problem, ``ok()`` after one that worked. Threads of one loop may call both (the
+    worker's loop and its checks thread, which stores): each call's state change and record are one step."""
 
     folder: Path | None  # the logs folder (None: log only, no record)
     loop: str
@@ -56,6 +57,7 @@ class Trouble:
     tries: int = 0  # failed tries in a row
     since: float | None = None  # when the trouble began (None: no trouble)
     _logged_at: float = field(default=0.0, repr=False)
+    _turn: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     @property
     def active(self) -> bool:
@@ -63,6 +65,10 @@ class Trouble:
 
     def failed(self, problem: str) -> float:
         """Note a failed try: log it, update the record, and return the seconds to wait before the next one."""
+        with self._turn:
+            return self._failed(problem)
+
+    def _failed(self, problem: str) -> float:
         now = time.time()
         if self.since is None:
             self.since, self.tries = now, 0
@@ -95,13 +101,14 @@ class Trouble:
 
     def ok(self) -> None:
         """Note a try that worked: if there was trouble, log and record that it is over."""
-        if self.since is None:
-            return
-        now = time.time()
-        logger.warning("{}: working again after {} of trouble ({} failed tries)", self.loop,
-                       _duration(now - self.since), self.tries)
-        self._record({"over_at": _iso(now)})
-        self.since, self.tries = None, 0
+        with self._turn:
+            if self.since is None:
+                return
+            now = time.time()
+            logger.warning("{}: working again after {} of trouble ({} failed tries)", self.loop,
+                           _duration(now - self.since), self.tries)
+            self._record({"over_at": _iso(now)})
+            self.since, self.tries = None, 0
 
     def _record(self, values: dict[str, Any]) -> None:
         if self.folder is None:
