@@ -63,9 +63,10 @@ class Finisher:
     def claim(self, doc_id: int) -> bool:
         """Take or renew the document's finishing (one worker at a time: db.documents.claim_finish); a holder known to
         be gone (ingest.ledger.owners) gives it up at once."""
-        holder = finishing_owner(self.db, doc_id)
-        gone = [holder] if holder and holder != self.owner and is_gone(holder) else []
-        return claim_finish(self.db, doc_id, self.owner, gone)
+        if claim_finish(self.db, doc_id, self.owner):
+            return True
+        holder = finishing_owner(self.db, doc_id)  # looked up only when the claim is held: the holder may be gone
+        return bool(holder) and is_gone(holder) and claim_finish(self.db, doc_id, self.owner, [holder])
 
     def rewrite_after_rerun(self, run_id: int, doc_ids: list[int]) -> None:
         """Rewrite the outputs of the finished documents (of this worker's) that ``run_id`` stored pages of, once the

@@ -163,36 +163,9 @@ def weight_shapes(loaded) -> dict[str, tuple[int, int]]:
     return {name: shape for name, shape in shapes.items() if "gate" != name.rsplit(".", 1)[-1]}
 
 
-def launch_matmul(x, weight, y, config) -> None:
-    """The invariant linear kernel ``y = x @ weight^T`` with a tile configuration of `CONFIGS`' form."""
-    import triton
-
-    from engine.kernels import invariant
-
-    bm, bn, bk, warps, stages = config
-    m, n_out, k_in = x.shape[0], weight.shape[0], weight.shape[1]
-    invariant._matmul_kernel[(triton.cdiv(m, bm), triton.cdiv(n_out, bn))](
-        x, weight, y, x, m, n_out, k_in, x.stride(0), x.stride(1), weight.stride(1), weight.stride(0), y.stride(0),
-        y.stride(1), HAS_BIAS=False, IEEE=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-        num_stages=stages)
-
-
-def launch_grouped(x, weights, y, rows, block_expert, config) -> None:
-    """The invariant grouped kernel over slots laid out in blocks of the configuration's BLOCK_M."""
-    import triton
-
-    from engine.kernels import invariant
-
-    bm, bn, bk, warps, stages = config
-    n_out, k_in = weights.shape[1], weights.shape[2]
-    invariant._grouped_kernel[(block_expert.shape[0], triton.cdiv(n_out, bn))](
-        x, weights, y, rows, block_expert, n_out, k_in, x.stride(0), weights.stride(0), weights.stride(1),
-        weights.stride(2), y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-
-
 def bench_matmul(loaded, rows_list: list[int], configs: list[tuple[int, ...]], repeat: int, device: str, log) -> dict:
     """The invariant linear kernel per weight shape, rows and tile configuration (see the module docstring)."""
-
+    from engine.kernels import invariant
 
     out = {}
     seen = set()
@@ -208,8 +181,7 @@ def bench_matmul(loaded, rows_list: list[int], configs: list[tuple[int, ...]], r
             for m in rows_list:
                 x = x_all[:m]
                 y = torch.empty(m, n_out, device=loaded.device, dtype=loaded.dtype)
-
-                call = partial(launch_matmul, x, weight, y, (bm, bn, bk, warps, stages))
+                call = partial(invariant.matmul, x, weight, out=y, config=(bm, bn, bk, warps, stages))
                 try:
                     ms = time_ms(call, repeat, warmup=1)
                 except Exception as exc:  # noqa: BLE001 - a configuration this card cannot run (shared memory)
@@ -232,7 +204,6 @@ def bench_grouped(loaded, tokens_list: list[int], configs: list[tuple[int, ...]]
                   log) -> dict:
     """The invariant grouped (MoE experts) kernel at each token count, random top-k routing, each configuration of
     the routed experts' two projections: ms and whether each pair's output is bitwise the default's."""
-
     from engine.kernels import invariant
 
     text = loaded.model.model.language_model
@@ -250,15 +221,14 @@ def bench_grouped(loaded, tokens_list: list[int], configs: list[tuple[int, ...]]
             for bm, bn, bk, warps, stages in configs:
                 cfg = f"{bm}-{bn}-{bk}-{warps}-{stages}"
                 rows, block_expert, slot = invariant.expert_blocks(pairs, E, bm)
-                y = torch.zeros(rows.shape[0], n_out, device=loaded.device, dtype=loaded.dtype)
-
-                call = partial(launch_grouped, x, weights, y, rows, block_expert, (bm, bn, bk, warps, stages))
+                call = partial(invariant.grouped_matmul, x, weights, rows, block_expert, rows.shape[0],
+                               (bm, bn, bk, warps, stages))
                 try:
                     ms = time_ms(call, repeat, warmup=1)
                 except Exception as exc:  # noqa: BLE001 - a configuration this card cannot run
                     out.setdefault(name, {})[f"{cfg}@{tokens}"] = {"error": str(exc)[:120]}
                     continue
-                per_pair = y[slot]
+                per_pair = call()[slot]
                 if tokens not in reference:
                     reference[tokens] = per_pair.clone()
                 same = bool(torch.equal(per_pair, reference[tokens]))
