@@ -370,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
                 report.setdefault(name, {})[mode] = round(rates["auto"] / rates["1"], 2)
                 print(f"{mode}: {key.replace('_', ' ')} at auto / at 1: {report[name][mode]}")
     for key, name in (("pages_per_hour", "lossless_over_plain"),
-                      ("after_load_pages_per_hour", "after_load_lossless_over_plain")):
+                      ("after_load_pages_per_hour", "after_load_lossless_over_plain"),
+                      ("decoded_tok_s_after_load", "decoded_lossless_over_plain")):
         by = {(r["mode"], r["max_batch"]): r.get(key) for r in report["settings"]}
         for max_batch in args.max_batch.split(","):
             if by.get(("plain", max_batch)) and by.get(("lossless", max_batch)):
