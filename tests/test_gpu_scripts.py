@@ -71,6 +71,7 @@ def test_bench_engine_tiny_smoke(tmp_path, capsys, monkeypatch, equal_step_costs
             "generate": (tokens / 2.0, 1.0, 0.5), "plain": (tokens / 1.0, 2.0, 1.0),
             "lossless-10%": (tokens / 0.5, 4.0, 2.0)}
         assert runs["lossless-10%"]["equal_to_plain"] and runs["lossless-10%"]["tau"] >= 3  # drafts 90% right
+        assert runs["lossless-10%"]["width_reasons"].get("wide pays", 0) > 0  # why each width was chosen
 
 
 def test_bench_engine_planted_chain_keeps_bf16_drafts_aligned(capsys, equal_step_costs):

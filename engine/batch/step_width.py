@@ -82,6 +82,7 @@ class StepWidth:
         self.draft_cost: dict[int, float] = {}  # rows bucket -> seconds the rows' host drafting takes a step (EMA)
         self._since_plain: dict[tuple[int, int], int] = {}  # cell -> steps since it last ran width 1
         self._expected = 0.0  # extra tokens the last chosen wide step was expected to commit
+        self.reasons: dict[str, int] = {}  # why each choice was made (`choose`), for the benchmarks' records
 
     # --- acceptance ------------------------------------------------------------------------------------------
 
@@ -195,12 +196,12 @@ class StepWidth:
         self._expected, self._probing, self._measuring = 0.0, False, False
         widest = max((len(w) for w in wants), default=0) + 1
         if widest == 1:
-            return 1
+            return self._because("nothing drafted", 1)
         cell = (rows, prefix)
         base = self.cost.get((rows, prefix, 1, False))
         if base is None:
             self._measuring = True
-            return 1  # plain decoding first: the baseline every wider width must beat
+            return self._because("plain measured first", 1)  # the baseline every wider width must beat
         candidates = [w for w in self.widths if 1 < w < widest] + [next(w for w in self.widths if w >= widest)]
         chances = np.zeros((len(wants), widest), dtype=np.float64)  # column m: the chance of draft position m
         for i, p in enumerate(wants):
@@ -218,11 +219,19 @@ class StepWidth:
         if best == 1 and self._probe_due(rows, prefix):
             best = min((w for w in candidates if w >= PROBE_WIDTH), default=candidates[-1])
             self.probes, self._probing = self.probes + 1, True
+            self._because("probe", best)
         elif best > 1 and self._since_plain.get(cell, 0) >= REFRESH_EVERY:
             best, self._measuring = 1, True  # keep plain decoding's cost current
+            self._because("plain refreshed", 1)
+        else:
+            self._because("wide pays" if best > 1 else "plain pays more", best)
         if best > 1:
             self._expected = float(extra[min(best - 1, widest - 1)]) / self.calibration
         return best
+
+    def _because(self, reason: str, width: int) -> int:
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+        return width
 
     def observe(self, rows: int, prefix: int, width: int, block: bool, seconds: float | None,
                 committed: int = 0, n_rows: int = 0, draft_seconds: float | None = None) -> None:

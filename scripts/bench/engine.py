@@ -189,6 +189,7 @@ def run_engine(loaded, chunks, tokens: int, device: str, mode: str, kernels: str
         capture_widths(engine, len(chunks), len(requests[0].prompt_ids))
     capture_before = engine.graphs.capture_s if engine.graphs is not None else 0.0
     width_before, ahead_before = dict(engine.width_steps), engine.steps_ahead
+    reasons_before = dict(engine.step_width.reasons)
     engine.timing = dict.fromkeys(engine.timing, 0.0)
     steps_before = engine.steps
     if device.startswith("cuda"):
@@ -223,6 +224,8 @@ def run_engine(loaded, chunks, tokens: int, device: str, mode: str, kernels: str
            "steps_by_width": {str(w): c - width_before.get(w, 0) for w, c in sorted(engine.width_steps.items())
                               if c - width_before.get(w, 0)},
            "probes": engine.step_width.probes, "calibration": round(engine.step_width.calibration, 3),
+           "width_reasons": {k: c - reasons_before.get(k, 0) for k, c in sorted(engine.step_width.reasons.items())
+                             if c - reasons_before.get(k, 0)},
            "width_costs_ms": width_costs(engine.step_width.cost),
            "rows": engine.max_batch, "row_limit": engine.row_limit, "cache_rows": engine.kv.rows,
            "step_tokens": engine.step_tokens, "steps_ahead": engine.steps_ahead - ahead_before,

@@ -86,7 +86,7 @@ def run_auto(loaded, args, log) -> tuple[dict, dict]:
             out["runs"][name] = row
             log(f"  {name}: {row['tok_s']} tok/s ({row['decode_tok_s']} decoding), {row['ms_per_step']} ms/step, "
                 f"admission {row['admit_s']} s, first chunk {row['first_chunk_done_s']} s, capture "
-                f"{row['capture_s']} s, widths {row['steps_by_width']}, peak {row['peak_gb']} GB")
+                f"{row['capture_s']} s, widths {row['steps_by_width']} ({row['width_reasons']}), peak {row['peak_gb']} GB")
         except Exception as exc:  # noqa: BLE001 - record, go on
             out["errors"][name] = f"{type(exc).__name__}: {str(exc)[:300]}"
             traceback.print_exc()

@@ -93,6 +93,7 @@ def run(loaded, mode: str, args, slope_us: float, clock: VirtualClock) -> dict:
             "steps": engine.steps, "steps_by_width": {str(w): c for w, c in sorted(engine.width_steps.items())},
             "tau": round(sum(r.stats["accepted_tokens"] for r in results) / rounds, 3) if rounds else 0.0,
             "probes": engine.step_width.probes, "calibration": round(engine.step_width.calibration, 3),
+            "width_reasons": dict(sorted(engine.step_width.reasons.items())),
             "targets_followed": exact}
 
 
